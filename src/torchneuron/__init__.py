@@ -1,0 +1,66 @@
+"""torchneuron: a native PyTorch device backend (``neuron``) compiled through JAX, StableHLO and PJRT.
+
+``import torch`` loads it through the ``torch.backends`` entry point; ``import torchneuron`` works
+too and is idempotent.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .config import config
+from .metrics import metrics
+
+_registered = False
+
+
+def register() -> None:
+    """Make ``neuron`` a PyTorch device (safe to call more than once)."""
+    global _registered
+    if _registered:
+        return
+    import torch
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    from .eager import registration
+    from .runtime import device as device_module
+    from .runtime import printing
+
+    class _Hooks(torch._C._acc.PrivateUse1Hooks):
+        def is_available(self) -> bool:
+            return device_module.is_available()
+
+        def has_primary_context(self, dev_id) -> bool:
+            return True
+
+        def is_built(self) -> bool:
+            return True
+
+    class _Guard(torch._C._acc.DeviceGuard):
+        def type_(self):
+            return torch._C._autograd.DeviceType.PrivateUse1
+
+    if torch._C._get_privateuse1_backend_name() != "neuron":
+        _setup_privateuseone_for_python_backend(
+            "neuron", backend_module=device_module, hook=_Hooks(), device_guard=_Guard())
+    registration.register_all()
+    printing.install()
+    _registered = True
+
+
+def _autoload() -> None:
+    """Entry point for ``torch.backends``: runs during ``import torch``."""
+    register()
+
+
+def __getattr__(name):
+    # Heavier parts load on first use.
+    if name in ("pad_to_multiple", "bucket_length"):
+        from .compile import shapes
+        return getattr(shapes, name)
+    raise AttributeError(f"module 'torchneuron' has no attribute {name!r}")
+
+
+register()
+
+__all__ = ["config", "metrics", "register", "__version__"]

@@ -1,0 +1,76 @@
+"""All torchneuron settings in one place.
+
+Each field can be overridden by an environment variable ``TORCHNEURON_<FIELD>`` (upper case),
+read once when torchneuron is imported; code may also assign ``torchneuron.config.<field>``.
+``docs/configuration.md`` documents every setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+_CHOICES = {
+    "fallback": ("warn", "silent", "error"),
+    "float64": ("downcast", "error", "keep"),
+    "eager_mode": ("plain", "adaptive"),
+    "compile_fallback": ("error", "eager"),
+}
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "torchneuron")
+
+
+@dataclass
+class Config:
+    # PJRT platform the neuron device runs on: cpu, cuda, tpu or neuron (a PJRT plugin).
+    platform: str = "cpu"
+    # Ops with neither a lowering nor a decomposition: warn once per op and run on CPU,
+    # run on CPU silently, or raise.
+    fallback: str = "warn"
+    # float64 tensors: run as float32 with one warning per op, raise, or keep float64.
+    float64: str = "downcast"
+    # Eager execution mode: one executable per op, or adaptive fusion of pending ops.
+    eager_mode: str = "plain"
+    # Largest number of ops an adaptive-eager region records before it is flushed.
+    adaptive_max_ops: int = 512
+    # torch.compile: an op without a lowering fails the compile, or the graph runs eagerly.
+    compile_fallback: str = "error"
+    # Persistent compilation cache for torch.compile executables ("" disables it).
+    cache_dir: str = field(default_factory=_default_cache_dir)
+    # When set, each compiled graph's FX code and StableHLO text are written here.
+    dump_dir: str = ""
+
+    def __setattr__(self, name, value):
+        if name in _CHOICES and value not in _CHOICES[name]:
+            raise ValueError(
+                f"torchneuron: config.{name} must be one of {_CHOICES[name]}, got {value!r} "
+                f"(environment variable TORCHNEURON_{name.upper()})"
+            )
+        super().__setattr__(name, value)
+
+    def non_defaults(self) -> dict:
+        """Settings that differ from their defaults (for reports and version manifests)."""
+        base = Config.__new__(Config)
+        for f in dataclasses.fields(Config):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            object.__setattr__(base, f.name, default)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Config)
+                if getattr(self, f.name) != getattr(base, f.name)}
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> Config:
+        cfg = cls()
+        for f in dataclasses.fields(cls):
+            raw = environ.get(f"TORCHNEURON_{f.name.upper()}")
+            if raw is None:
+                continue
+            value = int(raw) if f.type in ("int", int) else raw.strip().lower() if f.name in _CHOICES or f.name == "platform" else raw
+            setattr(cfg, f.name, value)
+        return cfg
+
+
+config = Config.from_env()

@@ -1,0 +1,1 @@
+"""Eager execution: schema-driven kernels, the executable cache, CPU fallback, adaptive mode."""

@@ -1,0 +1,132 @@
+"""What happens to an op with no lowering: its PyTorch decomposition, else the CPU.
+
+Registered as the global PrivateUse1 fallback, so every ATen op without a neuron kernel lands
+here. A decomposition (``torch._decomp``) re-dispatches its pieces to neuron kernels. Otherwise the
+op runs on CPU: inputs are copied to host, the CPU kernel runs, results and in-place effects are
+copied back, and the op is counted and warned about once (``TORCHNEURON_FALLBACK=error`` raises).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+from torch._decomp import decomposition_table
+from torch.utils._pytree import tree_map
+
+from ..config import config
+from ..metrics import metrics
+from .kernel import describe_args
+
+_tls = threading.local()
+_warned: set[str] = set()
+
+# Decompositions that make things worse on this backend (they loop back to the same op, or
+# replace one executable with many tiny host-driven ones).
+_SKIP_DECOMPOSITION = {
+    "aten::_to_copy", "aten::copy_", "aten::lift_fresh", "aten::item", "aten::_local_scalar_dense",
+}
+
+
+class FallbackError(RuntimeError):
+    pass
+
+
+def _active() -> set:
+    active = getattr(_tls, "active", None)
+    if active is None:
+        active = _tls.active = set()
+    return active
+
+
+def _device_of(args, kwargs):
+    found = []
+
+    def visit(v):
+        if isinstance(v, torch.Tensor) and v.device.type == "neuron" and not found:
+            found.append(v.device)
+        return v
+
+    tree_map(visit, (args, kwargs))
+    if found:
+        return found[0]
+    dev = kwargs.get("device")
+    if dev is not None:
+        return torch.device(dev)
+    from ..runtime.device import current_device
+    return torch.device("neuron", current_device())
+
+
+def neuron_fallback(op, *args, **kwargs):
+    name = op.name()
+    if name not in _SKIP_DECOMPOSITION:
+        decomp = decomposition_table.get(op)
+        active = _active()
+        if decomp is not None and op not in active:
+            metrics.decompositions[name.split("::", 1)[1]] += 1
+            active.add(op)
+            try:
+                return decomp(*args, **kwargs)
+            finally:
+                active.discard(op)
+    return cpu_fallback(op, args, kwargs)
+
+
+def cpu_fallback(op, args, kwargs):
+    name = op.name()
+    short = name.split("::", 1)[1]
+    if config.fallback == "error":
+        raise FallbackError(
+            f"torchneuron: {name} has no neuron lowering and no decomposition, and "
+            f"TORCHNEURON_FALLBACK=error forbids running it on CPU. Inputs: {describe_args(list(args))}. "
+            "Set TORCHNEURON_FALLBACK=warn (or torchneuron.config.fallback = 'warn') to run it on "
+            "CPU, or avoid the op."
+        )
+    metrics.fallbacks[short] += 1
+    if config.fallback == "warn" and short not in _warned:
+        _warned.add(short)
+        warnings.warn(
+            f"torchneuron: {name} is not lowered for neuron; it runs on CPU (inputs copied to host "
+            "and results back). Set TORCHNEURON_FALLBACK=error to make this an error, or =silent.",
+            stacklevel=3,
+        )
+    device = _device_of(args, kwargs)
+    originals = {}
+
+    def to_cpu(v):
+        if isinstance(v, torch.Tensor) and v.device.type == "neuron":
+            c = v.cpu()
+            originals[id(c)] = v
+            return c
+        if isinstance(v, torch.device) and v.type == "neuron":
+            return torch.device("cpu")
+        return v
+
+    cpu_args = tree_map(to_cpu, list(args))
+    cpu_kwargs = tree_map(to_cpu, dict(kwargs))
+    if isinstance(kwargs.get("device"), str) and kwargs["device"].startswith("neuron"):
+        cpu_kwargs["device"] = "cpu"
+    result = op(*cpu_args, **cpu_kwargs)
+
+    # In-place and out= effects travel back into the caller's neuron tensors.
+    schema = op._schema
+    bound = list(cpu_args) + [cpu_kwargs.get(a.name) for a in schema.arguments[len(cpu_args):]]
+    for arg, value in zip(schema.arguments, bound):
+        if arg.alias_info is not None and arg.alias_info.is_write and value is not None:
+            for cpu_t in (value if isinstance(value, list | tuple) else [value]):
+                target = originals.get(id(cpu_t))
+                if target is not None:
+                    if target.shape != cpu_t.shape:
+                        target.resize_(cpu_t.shape)
+                    target.copy_(cpu_t)
+
+    def to_device(v):
+        if isinstance(v, torch.Tensor):
+            original = originals.get(id(v))
+            if original is not None:
+                return original
+            return v.to(device)
+        return v
+
+    return tree_map(to_device, result)

@@ -1,0 +1,81 @@
+"""Kernels whose result shape depends on tensor values, and small host-side decisions.
+
+``nonzero``, ``masked_select``, boolean-mask indexing and friends need the data to know their
+output shape, so (like CUDA) they synchronise: the mask is read back, the positions are computed on
+the host and uploaded. Every such read is counted as a device->host copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..runtime import memory, transfers
+
+_SDP_MATH = int(torch._C._SDPBackend.MATH)
+
+
+def _upload_int64(positions: np.ndarray, device_index: int) -> torch.Tensor:
+    arr = transfers.upload(np.ascontiguousarray(positions, dtype=np.int64).reshape(-1), device_index)
+    return memory.new_buffer_tensor(arr, torch.int64, device_index, positions.shape,
+                                    memory.contiguous_strides(positions.shape))
+
+
+def nonzero(self: torch.Tensor) -> torch.Tensor:
+    host = transfers.to_host(self)
+    positions = np.stack(np.nonzero(host), axis=1) if host.ndim else np.zeros((int(host != 0), 0), np.int64)
+    return _upload_int64(positions.reshape(-1, max(host.ndim, 0)), self.device.index or 0)
+
+
+def _expand_bool_indices(self, indices):
+    """Replace boolean masks by the integer index tensors they select (PyTorch semantics)."""
+    out = []
+    for idx in indices:
+        if idx is not None and idx.dtype in (torch.bool, torch.uint8):
+            positions = nonzero(idx)
+            out.extend(positions[:, d] for d in range(idx.dim()))
+        else:
+            out.append(idx)
+    return out
+
+
+def _has_mask(indices) -> bool:
+    return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
+
+
+def make_index(kernel):
+    def index(self, indices):
+        if _has_mask(indices):
+            indices = _expand_bool_indices(self, indices)
+        return kernel(self, indices)
+    return index
+
+
+def make_index_put(kernel, masked_fill_kernel):
+    def index_put(self, indices, values, accumulate=False, *rest):
+        if _has_mask(indices):
+            masks = [i for i in indices if i is not None]
+            # x[mask] = scalar-like: a select, no host round trip.
+            if (len(masks) == 1 and indices[0] is not None and not accumulate and values.numel() == 1
+                    and masks[0].dtype == torch.bool and masks[0].dim() <= self.dim()):
+                mask = masks[0].reshape(tuple(masks[0].shape) + (1,) * (self.dim() - masks[0].dim()))
+                return masked_fill_kernel(self, mask, values.reshape(()))
+            indices = _expand_bool_indices(self, indices)
+        return kernel(self, indices, values, accumulate, *rest)
+    return index_put
+
+
+def masked_select(self: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    shape = torch.broadcast_shapes(self.shape, mask.shape)
+    return self.expand(shape)[mask.expand(shape)]
+
+
+def fused_sdp_choice(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+                     enable_gqa=False):
+    # The math path is built from ops that all have lowerings.
+    return _SDP_MATH
+
+
+def repeat_interleave_tensor(repeats: torch.Tensor, *, output_size=None) -> torch.Tensor:
+    host = transfers.to_host(repeats).astype(np.int64)
+    return _upload_int64(np.repeat(np.arange(host.shape[0]), host), repeats.device.index or 0)

@@ -1,0 +1,508 @@
+"""Schema-driven eager kernels: one cached PJRT executable per (op, input layout, static args).
+
+Every lowered ATen overload gets a ``Kernel``. A call:
+
+1. binds the arguments to the schema and builds a cache key from each tensor's dtype, sizes,
+   strides, offset and storage (``Scalar``s contribute only their Python type: their values are
+   runtime inputs, so a new learning rate compiles nothing);
+2. on a miss, runs the op on ``meta`` tensors (PyTorch's own shape/dtype rules and error
+   messages), applies the float64 policy, traces the lowering between "read each input view from
+   its storage buffer" and "write outputs/mutations back", and compiles it with ``jax.jit``;
+3. runs the executable on the storages' flat buffers and wraps fresh output buffers as neuron
+   tensors, or replaces the buffers of mutated storages.
+
+Type promotion, in-place and ``out=`` variants live here, once, for every op.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+from ..metrics import metrics
+from ..ops.registry import Lowering
+from ..runtime import memory, rng
+from ..runtime.dtypes import device_dtype, jax_dtype
+from . import layout
+
+_records = memory.allocator.records
+_REQUIRED = object()
+
+# Argument kinds.
+_TENSOR, _OPT_TENSOR, _TENSOR_LIST, _OPT_TENSOR_LIST, _SCALAR, _OPT_SCALAR, _STATIC = range(7)
+
+_tls = threading.local()
+
+
+def _kind(arg) -> int:
+    t = str(arg.type)
+    if t == "Tensor":
+        return _TENSOR
+    if t == "Optional[Tensor]":
+        return _OPT_TENSOR
+    if t == "List[Tensor]":
+        return _TENSOR_LIST
+    if t == "List[Optional[Tensor]]":
+        return _OPT_TENSOR_LIST
+    if t == "number":
+        return _SCALAR
+    if t == "Optional[number]":
+        return _OPT_SCALAR
+    return _STATIC
+
+
+def _freeze(v):
+    if isinstance(v, list | tuple):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
+        raise TypeError("torchneuron: symbolic sizes are not supported in eager mode")
+    return v
+
+
+def device_mismatch_error(other: torch.Tensor, device_index: int) -> RuntimeError:
+    # Same text as PyTorch's CUDA check, so users recognise it.
+    return RuntimeError(
+        "Expected all tensors to be on the same device, but found at least two devices, "
+        f"neuron:{device_index} and {other.device}!"
+    )
+
+
+class Executable:
+    __slots__ = ("call", "out_specs", "writes", "op_name")
+
+    def __init__(self, call, out_specs, writes, op_name):
+        self.call = call
+        self.out_specs = out_specs    # per new output: (torch dtype, sizes, strides) or None
+        self.writes = writes          # number of mutated buffers returned after the outputs
+        self.op_name = op_name
+
+
+_cache: dict = {}
+
+
+def cache_size() -> int:
+    return len(_cache)
+
+
+def clear_cache() -> None:
+    _cache.clear()
+
+
+class Kernel:
+    """The PrivateUse1 kernel of one ATen overload, driven by its schema and a lowering."""
+
+    def __init__(self, overload, lowering: Lowering, functional=None):
+        self.overload = overload
+        self.lowering = lowering
+        self.name = overload.name()            # "aten::add.Tensor"
+        self.short_name = self.name.split("::", 1)[1]
+        schema = overload._schema
+        args = schema.arguments
+        self.arg_names = [a.name for a in args]
+        self.kwarg_only = [a.kwarg_only for a in args]
+        self.defaults = [a.default_value if a.has_default_value() else _REQUIRED for a in args]
+        self.index_of = {a.name: i for i, a in enumerate(args)}
+        self.kinds = [_kind(a) for a in args]
+        self.dynamic = [i for i, k in enumerate(self.kinds) if k != _STATIC]
+        self.static = [i for i, k in enumerate(self.kinds) if k == _STATIC]
+        if lowering.static_scalars:
+            self.dynamic = [i for i in self.dynamic if self.kinds[i] not in (_SCALAR, _OPT_SCALAR)]
+            self.static = sorted(set(range(len(args))) - set(self.dynamic))
+        # Mutated arguments (in-place self, out=, running stats...) in schema order.
+        self.mutated = [i for i, a in enumerate(args) if (a.alias_info is not None and a.alias_info.is_write)
+                        or a.name in lowering.mutates]
+        self.functional = functional       # for derived in-place variants: the functional overload
+        # Returns that alias a mutated input give back that input; the rest are new tensors.
+        alias_sets = {}
+        for i in self.mutated:
+            for s in (args[i].alias_info.after_set if args[i].alias_info is not None else ()):
+                alias_sets[s] = i
+        self.return_sources = []
+        for r in schema.returns:
+            if r.alias_info is not None and r.alias_info.after_set:
+                self.return_sources.append(alias_sets.get(next(iter(r.alias_info.after_set))))
+            else:
+                self.return_sources.append(None)
+        self.new_outputs = sum(1 for s in self.return_sources if s is None)
+        self.returns_list = len(schema.returns) == 1 and str(schema.returns[0].type) == "List[Tensor]"
+        self.promote_idx = None
+        if lowering.promote:
+            names = lowering.promote_args or tuple(
+                a.name for a, k in zip(args, self.kinds) if k in (_TENSOR, _SCALAR, _OPT_SCALAR, _OPT_TENSOR)
+                and not a.kwarg_only)
+            self.promote_idx = [self.index_of[n] for n in names if n in self.index_of]
+
+    # -- the hot path ---------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        metrics.op_calls[self.short_name] += 1
+        values = list(args)
+        n = len(values)
+        if n < len(self.defaults):
+            values.extend(self.defaults[n:])
+        if kwargs:
+            index_of = self.index_of
+            for k, v in kwargs.items():
+                values[index_of[k]] = v
+        bufs, addrs, slots, runtime, specs = [], [], {}, [], []
+        ctx = _KeyContext(bufs, addrs, slots, runtime)
+        kinds = self.kinds
+        for i in self.dynamic:
+            v = values[i]
+            kind = kinds[i]
+            if kind == _TENSOR:
+                specs.append(ctx.tensor(v))
+            elif kind == _SCALAR:
+                specs.append(ctx.scalar(v))
+            elif kind == _OPT_TENSOR or kind == _OPT_SCALAR:
+                specs.append(None if v is None else ctx.tensor(v) if kind == _OPT_TENSOR else ctx.scalar(v))
+            else:
+                specs.append(tuple(None if t is None else ctx.tensor(t) for t in v))
+        statics = tuple(_freeze(values[i]) for i in self.static)
+        random = self.lowering.random
+        if random:
+            gen = rng.generator(ctx.device_index if ctx.device_index is not None else _current_device())
+            runtime.extend(gen.next_key_inputs())
+        key = (self, tuple(specs), statics)
+        exe = _cache.get(key)
+        if exe is None:
+            exe = self._compile(key, values, specs, bufs, runtime, ctx)
+            _cache[key] = exe
+        else:
+            metrics.cache_hits += 1
+        results = exe.call(*bufs, *runtime)
+        return self._finish(exe, results, values, addrs, ctx)
+
+    def _finish(self, exe, results, values, addrs, ctx):
+        device_index = ctx.device_index if ctx.device_index is not None else _output_device(values, self)
+        outs = []
+        k = 0
+        for spec in exe.out_specs:
+            if spec is None:
+                outs.append(None)
+                continue
+            dtype, sizes, strides = spec
+            outs.append(memory.new_buffer_tensor(results[k], dtype, device_index, sizes, strides))
+            k += 1
+        for slot in exe.writes:
+            _records[addrs[slot]].buf = results[k]
+            k += 1
+        if self.returns_list:
+            return outs
+        returned = []
+        j = 0
+        for src in self.return_sources:
+            if src is None:
+                returned.append(outs[j])
+                j += 1
+            else:
+                returned.append(values[src])
+        if not returned:
+            return None
+        return returned[0] if len(returned) == 1 else tuple(returned)
+
+    # -- compile on a miss ----------------------------------------------------------------------
+    def _compile(self, key, values, specs, bufs, runtime, ctx):
+        meta_out = self._run_meta(values)
+        new_meta = _new_outputs(self, meta_out)
+        out_specs = []
+        for m in new_meta:
+            if m is None:      # an output the caller masked off (backward ops' output_mask)
+                out_specs.append(None)
+                continue
+            dtype = device_dtype(m.dtype, self.short_name)
+            sizes, strides = tuple(m.shape), tuple(m.stride())
+            if not layout.is_dense(sizes, strides):
+                strides = memory.contiguous_strides(sizes)
+            out_specs.append((dtype, sizes, strides))
+        # Buffers written by this op, and the view of each mutated argument.
+        write_targets = []
+        for i in self.mutated:
+            v = values[i]
+            if v is None:
+                continue
+            for t in (v if isinstance(v, list | tuple) else (v,)):
+                write_targets.append(_view_spec(t, ctx))
+        writes = tuple(dict.fromkeys(slot for slot, _ in write_targets if slot is not None))
+        promote_dtype = None
+        if self.promote_idx is not None:
+            promote_dtype = self._promotion_dtype(values, new_meta, meta_out)
+        fn = _Traced(self, specs, values, out_specs, write_targets, writes, promote_dtype, ctx)
+        jitted = jax.jit(fn)
+        start = time.perf_counter()
+        try:
+            compiled = jitted.lower(*bufs, *runtime).compile()
+        except Exception as err:
+            raise RuntimeError(
+                f"torchneuron: compiling aten::{self.short_name} failed for inputs "
+                f"{_describe(values)}: {err}. This is a torchneuron bug: please report it with this "
+                "message. Workaround: run this op on CPU (move its inputs with .cpu())."
+            ) from err
+        metrics.compile_seconds += time.perf_counter() - start
+        metrics.executables_compiled += 1
+        return Executable(compiled, out_specs, writes, self.short_name)
+
+    def _run_meta(self, values):
+        meta_values = [_to_meta(v) for v in values]
+        pos = [v for v, kw in zip(meta_values, self.kwarg_only) if not kw]
+        kw = {n: v for n, v, k in zip(self.arg_names, meta_values, self.kwarg_only) if k}
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return self.overload(*pos, **kw)
+        except NotImplementedError:
+            return self._shape_from_lowering(values)
+
+    def _shape_from_lowering(self, values):
+        # No meta kernel: ask JAX for the output shapes of the lowering itself.
+        spec_args = [_to_shape_struct(v) for v in values]
+        pos = [v for v, kw in zip(spec_args, self.kwarg_only) if not kw]
+        kw = {n: v for n, v, k in zip(self.arg_names, spec_args, self.kwarg_only) if k}
+        if self.lowering.random:
+            kw["key"] = jax.random.key(0)
+        out = jax.eval_shape(lambda: self.lowering.fn(*pos, **kw))
+        outs = out if isinstance(out, list | tuple) else (out,)
+        from ..runtime.dtypes import torch_dtype
+        metas = [torch.empty(o.shape, dtype=torch_dtype(o.dtype), device="meta") for o in outs]
+        return metas if (self.returns_list or len(metas) > 1) else metas[0]
+
+    def _promotion_dtype(self, values, new_meta, meta_out):
+        if self.lowering.promote == "result":
+            if new_meta:
+                return device_dtype(new_meta[0].dtype, self.short_name)
+            target = values[self.mutated[0]]
+            return target.dtype
+        operands = []
+        for i in self.promote_idx:
+            v = values[i]
+            if isinstance(v, torch.Tensor):
+                operands.append(v if v.device.type == "cpu" and v.dim() == 0 else
+                                torch.empty(v.shape, dtype=v.dtype, device="meta"))
+            elif v is not None:
+                operands.append(v)
+        if not operands:
+            return None
+        _, dtype = elementwise_dtypes(*operands, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+        return device_dtype(dtype, self.short_name)
+
+
+class _KeyContext:
+    """Collects the buffers, runtime scalars and device of one call while its key is built."""
+
+    __slots__ = ("bufs", "addrs", "slots", "runtime", "device_index")
+
+    def __init__(self, bufs, addrs, slots, runtime):
+        self.bufs, self.addrs, self.slots, self.runtime = bufs, addrs, slots, runtime
+        self.device_index = None
+
+    def tensor(self, t):
+        try:
+            addr = t.untyped_storage().data_ptr()
+        except AttributeError:
+            # The dispatcher hands "wrapped numbers" (x * 2) to Python kernels as plain scalars.
+            self.runtime.append(t)
+            return type(t)
+        rec = _records.get(addr)
+        if rec is None:
+            return self._unusual_tensor(t)
+        if self.device_index is None:
+            self.device_index = rec.device_index
+        elif rec.device_index != self.device_index:
+            raise device_mismatch_error(t, self.device_index)
+        slot = self.slots.get(addr)
+        if slot is None:
+            slot = self.slots[addr] = len(self.bufs)
+            self.bufs.append(rec.buf if rec.buf is not None else memory.empty_buffer(rec))
+            self.addrs.append(addr)
+        return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), slot)
+
+    def _unusual_tensor(self, t):
+        if t.device.type == "neuron":
+            if t.numel() == 0:
+                return ("empty", t.dtype, tuple(t.shape))
+            memory.record_of(t)  # raises the freed-storage error
+        if t.device.type == "cpu" and t.dim() == 0:
+            # A 0-dim CPU tensor is a scalar operand, as on CUDA.
+            self.runtime.append(np.asarray(t.item(), dtype=jax_dtype(t.dtype)))
+            return ("cpu-scalar", t.dtype)
+        raise device_mismatch_error(t, self.device_index if self.device_index is not None else _current_device())
+
+    def scalar(self, v):
+        if isinstance(v, torch.Tensor):
+            return self.tensor(v)
+        self.runtime.append(v)
+        return type(v)
+
+
+def _view_spec(t, ctx):
+    """(buffer slot, view layout) of a mutated tensor; slot None for tensors with no elements."""
+    slot = ctx.slots.get(t.untyped_storage().data_ptr()) if t.numel() else None
+    return slot, (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def _new_outputs(kernel, meta_out):
+    if kernel.returns_list:
+        return list(meta_out) if kernel.new_outputs else []
+    outs = meta_out if isinstance(meta_out, tuple) else (meta_out,)
+    return [o for o, src in zip(outs, kernel.return_sources) if src is None]
+
+
+class _Traced:
+    """The function jax.jit traces for one cache entry: read views, run the lowering, write back."""
+
+    def __init__(self, kernel, specs, values, out_specs, write_targets, writes, promote_dtype, ctx):
+        self.kernel = kernel
+        self.specs = specs
+        self.values = values
+        self.out_specs = out_specs
+        self.write_targets = write_targets
+        self.writes = writes
+        self.promote_dtype = promote_dtype
+        self.nbufs = len(ctx.bufs)
+
+    def __call__(self, *flat):
+        k = self.kernel
+        bufs = flat[: self.nbufs]
+        runtime = list(flat[self.nbufs:])
+        rt = iter(runtime)
+        values = list(self.values)
+        promote = self.promote_dtype
+        promote_idx = set(k.promote_idx or ())
+        for i, spec in zip(k.dynamic, self.specs):
+            kind = k.kinds[i]
+            if kind in (_TENSOR_LIST, _OPT_TENSOR_LIST):
+                values[i] = [None if s is None else _materialise(s, bufs, rt) for s in spec]
+            elif spec is None:
+                values[i] = None
+            else:
+                values[i] = _materialise(spec, bufs, rt)
+            if promote is not None and i in promote_idx and values[i] is not None:
+                values[i] = _cast(values[i], promote)
+        for i in k.static:
+            if k.kinds[i] in (_SCALAR, _OPT_SCALAR) and values[i] is not None and promote is not None \
+                    and i in promote_idx:
+                values[i] = jnp.asarray(values[i], dtype=jax_dtype(promote))
+        kw = {}
+        if k.lowering.random:
+            seed, offset = runtime[-2], runtime[-1]
+            kw["key"] = jax.random.fold_in(jax.random.key(seed), offset)
+        if k.lowering.overwrites:
+            for i in k.mutated:
+                if isinstance(values[i], jax.Array):
+                    values[i] = jnp.zeros(values[i].shape, values[i].dtype)
+        pos = [v for v, kwo in zip(values, k.kwarg_only) if not kwo]
+        kw.update({n: v for n, v, kwo in zip(k.arg_names, values, k.kwarg_only) if kwo})
+        result = k.lowering.fn(*pos, **kw)
+        if k.functional is not None and not isinstance(result, tuple):
+            result = (result,)
+        results = list(result) if isinstance(result, list | tuple) else [result]
+        # Mutated arguments come first in what a lowering returns, then new outputs.
+        n_mut = len(self.write_targets)
+        mutated_vals = results[:n_mut] if k.mutated else []
+        new_vals = results[n_mut:] if k.mutated else results
+        if k.returns_list and len(new_vals) == 1 and isinstance(new_vals[0], list | tuple):
+            new_vals = list(new_vals[0])
+        if len(new_vals) != len(self.out_specs) or len(mutated_vals) != n_mut:
+            raise RuntimeError(
+                f"torchneuron: lowering of aten::{k.short_name} returned {len(results)} values; the "
+                f"schema needs {n_mut} mutated + {len(self.out_specs)} new outputs (a bug in the lowering)"
+            )
+        outputs = []
+        for value, spec in zip(new_vals, self.out_specs):
+            if spec is None:
+                continue
+            dtype, sizes, strides = spec
+            value = _cast(jnp.asarray(value), dtype)
+            if tuple(value.shape) != tuple(sizes):
+                if value.size == int(np.prod(sizes)) and value.ndim == 0:
+                    value = value.reshape(sizes)
+                else:
+                    raise RuntimeError(
+                        f"torchneuron: lowering of aten::{k.short_name} produced shape {tuple(value.shape)}, "
+                        f"PyTorch expects {tuple(sizes)} (a bug in the lowering)"
+                    )
+            outputs.append(layout.to_layout(value, sizes, strides))
+        new_bufs = {}
+        for (slot, (dtype, sizes, strides, offset)), value in zip(self.write_targets, mutated_vals):
+            if value is None or slot is None:
+                continue
+            base = new_bufs.get(slot, bufs[slot])
+            value = jnp.broadcast_to(_cast(jnp.asarray(value), dtype), sizes)
+            new_bufs[slot] = layout.write(base, value, jax_dtype(dtype), sizes, strides, offset)
+        written = [new_bufs.get(slot, bufs[slot]) for slot in self.writes]
+        return tuple(outputs) + tuple(written)
+
+
+def _materialise(spec, bufs, rt):
+    if isinstance(spec, type):          # a runtime Python scalar
+        return next(rt)
+    tag = spec[0]
+    if tag == "empty":
+        return jnp.zeros(spec[2], dtype=jax_dtype(spec[1]))
+    if tag == "cpu-scalar":
+        return next(rt)
+    dtype, sizes, strides, offset, slot = spec
+    return layout.read(bufs[slot], jax_dtype(dtype), sizes, strides, offset)
+
+
+def _cast(value, dtype):
+    target = jax_dtype(dtype) if isinstance(dtype, torch.dtype) else dtype
+    if isinstance(value, jax.Array) or hasattr(value, "dtype"):
+        return value if value.dtype == target else value.astype(target)
+    return jnp.asarray(value, dtype=target)
+
+
+def _to_meta(v):
+    if isinstance(v, torch.Tensor):
+        if v.device.type == "cpu" and v.dim() == 0:
+            return v
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+    if isinstance(v, list | tuple):
+        return type(v)(_to_meta(x) for x in v)
+    if isinstance(v, torch.device) and v.type == "neuron":
+        return torch.device("meta")
+    return v
+
+
+def _to_shape_struct(v):
+    if isinstance(v, torch.Tensor):
+        return jax.ShapeDtypeStruct(tuple(v.shape), jax_dtype(v.dtype))
+    if isinstance(v, list | tuple):
+        return type(v)(_to_shape_struct(x) for x in v)
+    return v
+
+
+def _describe(values) -> str:
+    parts = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            parts.append(f"Tensor{list(v.shape)}:{str(v.dtype).replace('torch.', '')}@{v.device}")
+        elif isinstance(v, list | tuple) and v and isinstance(v[0], torch.Tensor):
+            parts.append("[" + ", ".join(_describe([x]) for x in v) + "]")
+        else:
+            parts.append(repr(v))
+    return "(" + ", ".join(parts) + ")"
+
+
+describe_args = _describe
+
+
+def _current_device() -> int:
+    from ..runtime import device as device_mod
+    return device_mod.current_device()
+
+
+def _output_device(values, kernel) -> int:
+    for name in ("device",):
+        i = kernel.index_of.get(name)
+        if i is not None and values[i] is not None:
+            dev = torch.device(values[i])
+            if dev.index is not None:
+                return dev.index
+    return _current_device()

@@ -1,0 +1,75 @@
+"""One registry of counters that tests, the profiler and the readiness report all read.
+
+``torchneuron.metrics()`` returns a snapshot; ``torchneuron.metrics.reset()`` clears it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter, defaultdict
+
+
+class _Registry:
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.executables_compiled = 0
+        self.compile_seconds = 0.0
+        self.cache_hits = 0
+        self.op_calls = Counter()          # ATen overload -> eager kernel calls
+        self.fallbacks = Counter()         # ATen overload -> CPU fallback runs
+        self.decompositions = Counter()    # ATen overload -> decomposition runs
+        self.float64_downcasts = Counter() # ATen overload -> float64 results run as float32
+        self.h2d_copies = 0
+        self.h2d_bytes = 0
+        self.d2h_copies = 0
+        self.d2h_bytes = 0
+        # torch.compile
+        self.graphs_compiled = 0
+        self.graph_breaks = Counter()      # reason -> count
+        self.recompiles = Counter()        # reason -> count
+        self.graph_fallbacks = Counter()   # op that forced a graph to run eagerly -> count
+        # adaptive eager
+        self.regions_flushed = 0
+        self.region_ops = 0
+        self.region_cache_hits = 0
+        self.region_compiles = 0
+        self.flush_reasons = Counter()
+        # distributed
+        self.collectives = Counter()
+        self.collective_bytes = 0
+        self.collective_seconds = 0.0
+        self.extra = defaultdict(int)
+
+    def snapshot(self) -> dict:
+        data = {k: (dict(v) if isinstance(v, Counter | defaultdict) else copy.copy(v))
+                for k, v in vars(self).items()}
+        lookups = self.executables_compiled + self.cache_hits
+        data["cache_hit_rate"] = self.cache_hits / lookups if lookups else 0.0
+        data["fallback_count"] = sum(self.fallbacks.values())
+        return data
+
+    def __call__(self) -> dict:
+        return self.snapshot()
+
+    def summary(self) -> str:
+        s = self.snapshot()
+        lines = [
+            f"executables compiled : {s['executables_compiled']} ({s['compile_seconds']:.2f} s)",
+            f"cache hits           : {s['cache_hits']} (hit rate {s['cache_hit_rate']:.1%})",
+            f"CPU fallbacks        : {s['fallback_count']}"
+            + (f" {dict(s['fallbacks'])}" if s["fallbacks"] else ""),
+            f"decompositions       : {sum(s['decompositions'].values())}",
+            f"host->device copies  : {s['h2d_copies']} ({s['h2d_bytes']} bytes)",
+            f"device->host copies  : {s['d2h_copies']} ({s['d2h_bytes']} bytes)",
+        ]
+        if s["float64_downcasts"]:
+            lines.append(f"float64 downcasts    : {dict(s['float64_downcasts'])}")
+        if s["graphs_compiled"] or s["graph_breaks"] or s["recompiles"]:
+            lines.append(f"compiled graphs      : {s['graphs_compiled']}, graph breaks "
+                         f"{sum(s['graph_breaks'].values())}, recompiles {sum(s['recompiles'].values())}")
+        return "\n".join(lines)
+
+
+metrics = _Registry()

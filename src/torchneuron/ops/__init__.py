@@ -1,0 +1,11 @@
+"""Lowerings: pure JAX functions per ATen op family, all in one registry (``ops.registry``)."""
+
+from . import (  # noqa: F401  (each module registers its lowerings)
+    elementwise,
+    factories,
+    indexing,
+    linalg,
+    nn,
+    reductions,
+    shape,
+)

@@ -1,0 +1,518 @@
+"""Elementwise lowerings: arithmetic, comparisons, unary math, activations and their backwards.
+
+Inputs arrive already promoted to the result dtype (``promote="result"``) or to their common
+dtype (``promote="common"``, used by comparisons), so each body is just the math.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.scipy import special as jsp
+
+from .registry import lowering
+
+
+def _is_int(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.integer) or jnp.result_type(x) == jnp.bool_
+
+
+# -- arithmetic ----------------------------------------------------------------------------------
+@lowering("add.Tensor", "add.Scalar", promote="result", promote_args=("self", "other"))
+def add(self, other, alpha=1):
+    if jnp.result_type(self) == jnp.bool_:
+        return jnp.logical_or(self, jnp.logical_and(other, alpha))
+    return self + other * alpha
+
+
+@lowering("sub.Tensor", "sub.Scalar", promote="result", promote_args=("self", "other"))
+def sub(self, other, alpha=1):
+    return self - other * alpha
+
+
+@lowering("rsub.Tensor", "rsub.Scalar", promote="result", promote_args=("self", "other"))
+def rsub(self, other, alpha=1):
+    return other - self * alpha
+
+
+@lowering("mul.Tensor", "mul.Scalar", promote="result", promote_args=("self", "other"))
+def mul(self, other):
+    if jnp.result_type(self) == jnp.bool_:
+        return jnp.logical_and(self, other)
+    return self * other
+
+
+@lowering("div.Tensor", "div.Scalar", promote="result", promote_args=("self", "other"))
+def div(self, other):
+    return self / other
+
+
+@lowering("div.Tensor_mode", "div.Scalar_mode", promote="result", promote_args=("self", "other"))
+def div_mode(self, other, *, rounding_mode=None):
+    if rounding_mode is None:
+        return self / other
+    if _is_int(self):
+        if rounding_mode == "floor":
+            return jnp.floor_divide(self, other)
+        return lax.div(self, other)
+    q = self / other
+    return jnp.floor(q) if rounding_mode == "floor" else jnp.trunc(q)
+
+
+@lowering("floor_divide.default", "floor_divide.Scalar", promote="result", promote_args=("self", "other"))
+def floor_divide(self, other):
+    if _is_int(self):
+        return jnp.floor_divide(self, other)
+    return jnp.floor(self / other)
+
+
+@lowering("remainder.Tensor", "remainder.Scalar", "remainder.Scalar_Tensor", promote="result",
+          promote_args=("self", "other"))
+def remainder(self, other):
+    return jnp.remainder(self, other)
+
+
+@lowering("fmod.Tensor", "fmod.Scalar", promote="result", promote_args=("self", "other"))
+def fmod(self, other):
+    return jnp.fmod(self, other)
+
+
+@lowering("pow.Tensor_Tensor", "pow.Tensor_Scalar", "pow.Scalar", promote="result",
+          promote_args=("self", "exponent"))
+def pow_(self, exponent):
+    if _is_int(self):
+        return lax.integer_pow(self, exponent) if isinstance(exponent, int) else jnp.power(self, exponent)
+    return jnp.power(self, exponent)
+
+
+@lowering("float_power.Tensor_Tensor", "float_power.Tensor_Scalar", "float_power.Scalar", promote="result",
+          promote_args=("self", "exponent"))
+def float_power(self, exponent):
+    return jnp.power(self, exponent)
+
+
+@lowering("maximum.default", "max.other", promote="result", promote_args=("self", "other"))
+def maximum(self, other):
+    return jnp.maximum(self, other)
+
+
+@lowering("minimum.default", "min.other", promote="result", promote_args=("self", "other"))
+def minimum(self, other):
+    return jnp.minimum(self, other)
+
+
+@lowering("fmax.default", promote="result", promote_args=("self", "other"))
+def fmax(self, other):
+    return jnp.fmax(self, other)
+
+
+@lowering("fmin.default", promote="result", promote_args=("self", "other"))
+def fmin(self, other):
+    return jnp.fmin(self, other)
+
+
+@lowering("atan2.default", promote="result", promote_args=("self", "other"))
+def atan2(self, other):
+    return jnp.arctan2(self, other)
+
+
+@lowering("hypot.default", promote="result", promote_args=("self", "other"))
+def hypot(self, other):
+    return jnp.hypot(self, other)
+
+
+@lowering("copysign.Tensor", "copysign.Scalar", promote="result", promote_args=("self", "other"))
+def copysign(self, other):
+    return jnp.copysign(self, other)
+
+
+@lowering("nextafter.default", promote="result", promote_args=("self", "other"))
+def nextafter(self, other):
+    return jnp.nextafter(self, other)
+
+
+@lowering("xlogy.Tensor", "xlogy.Scalar_Self", "xlogy.Scalar_Other", promote="result",
+          promote_args=("self", "other"))
+def xlogy(self, other):
+    return jsp.xlogy(self, other)
+
+
+@lowering("logaddexp.default", promote="result", promote_args=("self", "other"))
+def logaddexp(self, other):
+    return jnp.logaddexp(self, other)
+
+
+@lowering("logaddexp2.default", promote="result", promote_args=("self", "other"))
+def logaddexp2(self, other):
+    return jnp.logaddexp2(self, other)
+
+
+@lowering("lerp.Scalar", "lerp.Tensor", promote="result", promote_args=("self", "end", "weight"))
+def lerp(self, end, weight):
+    return self + weight * (end - self)
+
+
+@lowering("addcmul.default", promote="result", promote_args=("self", "tensor1", "tensor2"))
+def addcmul(self, tensor1, tensor2, *, value=1):
+    return self + value * tensor1 * tensor2
+
+
+@lowering("addcdiv.default", promote="result", promote_args=("self", "tensor1", "tensor2"))
+def addcdiv(self, tensor1, tensor2, *, value=1):
+    return self + value * (tensor1 / tensor2)
+
+
+# -- comparisons and logic ----------------------------------------------------------------------
+def _compare(name, fn):
+    lowering(f"{name}.Tensor", f"{name}.Scalar", promote="common", promote_args=("self", "other"))(fn)
+
+
+_compare("eq", lambda self, other: self == other)
+_compare("ne", lambda self, other: self != other)
+_compare("lt", lambda self, other: self < other)
+_compare("le", lambda self, other: self <= other)
+_compare("gt", lambda self, other: self > other)
+_compare("ge", lambda self, other: self >= other)
+
+
+@lowering("logical_and.default")
+def logical_and(self, other):
+    return jnp.logical_and(self != 0, other != 0)
+
+
+@lowering("logical_or.default")
+def logical_or(self, other):
+    return jnp.logical_or(self != 0, other != 0)
+
+
+@lowering("logical_xor.default")
+def logical_xor(self, other):
+    return jnp.logical_xor(self != 0, other != 0)
+
+
+@lowering("logical_not.default")
+def logical_not(self):
+    return self == 0
+
+
+@lowering("bitwise_and.Tensor", "bitwise_and.Scalar", promote="result", promote_args=("self", "other"))
+def bitwise_and(self, other):
+    return jnp.bitwise_and(self, other)
+
+
+@lowering("bitwise_or.Tensor", "bitwise_or.Scalar", promote="result", promote_args=("self", "other"))
+def bitwise_or(self, other):
+    return jnp.bitwise_or(self, other)
+
+
+@lowering("bitwise_xor.Tensor", "bitwise_xor.Scalar", promote="result", promote_args=("self", "other"))
+def bitwise_xor(self, other):
+    return jnp.bitwise_xor(self, other)
+
+
+@lowering("bitwise_not.default")
+def bitwise_not(self):
+    return jnp.logical_not(self) if jnp.result_type(self) == jnp.bool_ else jnp.invert(self)
+
+
+@lowering("bitwise_left_shift.Tensor", "bitwise_left_shift.Tensor_Scalar", promote="result",
+          promote_args=("self", "other"))
+def left_shift(self, other):
+    return jnp.left_shift(self, other)
+
+
+@lowering("bitwise_right_shift.Tensor", "bitwise_right_shift.Tensor_Scalar", promote="result",
+          promote_args=("self", "other"))
+def right_shift(self, other):
+    return jnp.right_shift(self, other)
+
+
+@lowering("where.self", promote="common", promote_args=("self", "other"))
+def where(condition, self, other):
+    return jnp.where(condition, self, other)
+
+
+@lowering("clamp.default", "clamp.Tensor", promote="result", promote_args=("self", "min", "max"))
+def clamp(self, min=None, max=None):
+    if min is not None:
+        self = jnp.where(jnp.isnan(self), self, jnp.maximum(self, min)) if not _is_int(self) else jnp.maximum(self, min)
+    if max is not None:
+        self = jnp.where(jnp.isnan(self), self, jnp.minimum(self, max)) if not _is_int(self) else jnp.minimum(self, max)
+    return self
+
+
+@lowering("clamp_min.default", "clamp_min.Tensor", promote="result", promote_args=("self", "min"))
+def clamp_min(self, min):
+    return clamp(self, min=min)
+
+
+@lowering("clamp_max.default", "clamp_max.Tensor", promote="result", promote_args=("self", "max"))
+def clamp_max(self, max):
+    return clamp(self, max=max)
+
+
+@lowering("isnan.default")
+def isnan(self):
+    return jnp.isnan(self) if not _is_int(self) else jnp.zeros(self.shape, bool)
+
+
+@lowering("isinf.default")
+def isinf(self):
+    return jnp.isinf(self) if not _is_int(self) else jnp.zeros(self.shape, bool)
+
+
+@lowering("isposinf.default")
+def isposinf(self):
+    return jnp.isposinf(self) if not _is_int(self) else jnp.zeros(self.shape, bool)
+
+
+@lowering("isneginf.default")
+def isneginf(self):
+    return jnp.isneginf(self) if not _is_int(self) else jnp.zeros(self.shape, bool)
+
+
+@lowering("signbit.default")
+def signbit(self):
+    return jnp.signbit(self) if not _is_int(self) else self < 0
+
+
+@lowering("nan_to_num.default", promote="result", promote_args=("self",))
+def nan_to_num(self, nan=None, posinf=None, neginf=None):
+    if _is_int(self):
+        return self
+    return jnp.nan_to_num(self, nan=0.0 if nan is None else nan, posinf=posinf, neginf=neginf)
+
+
+# -- unary math ---------------------------------------------------------------------------------
+def _unary(name, fn, promote="result"):
+    lowering(f"{name}.default", promote=promote, promote_args=("self",))(fn)
+
+
+for _name, _fn in {
+    "abs": jnp.abs, "neg": jnp.negative, "exp": jnp.exp, "exp2": jnp.exp2, "expm1": jnp.expm1,
+    "log": jnp.log, "log2": jnp.log2, "log10": jnp.log10, "log1p": jnp.log1p, "sqrt": jnp.sqrt,
+    "rsqrt": lax.rsqrt, "sin": jnp.sin, "cos": jnp.cos, "tan": jnp.tan, "asin": jnp.arcsin,
+    "acos": jnp.arccos, "atan": jnp.arctan, "sinh": jnp.sinh, "cosh": jnp.cosh, "tanh": jnp.tanh,
+    "asinh": jnp.arcsinh, "acosh": jnp.arccosh, "atanh": jnp.arctanh, "sigmoid": jax.nn.sigmoid,
+    "erf": jsp.erf, "erfc": jsp.erfc, "erfinv": jsp.erfinv, "reciprocal": jnp.reciprocal,
+    "lgamma": jsp.gammaln, "digamma": jsp.digamma, "i0": jsp.i0, "sinc": jnp.sinc,
+    "deg2rad": jnp.deg2rad, "rad2deg": jnp.rad2deg, "square": jnp.square,
+    "conj_physical": jnp.conj, "angle": jnp.angle,
+    "special_i0e": jsp.i0e, "special_i1": jsp.i1, "special_i1e": jsp.i1e,
+    "special_ndtri": jsp.ndtri, "special_erfcx": jsp.erfcx, "special_ndtr": jsp.ndtr,
+    "special_log_ndtr": jsp.log_ndtr,
+}.items():
+    _unary(_name, _fn)
+
+
+def _keep_int(fn):
+    return lambda self: self if _is_int(self) else fn(self)
+
+
+for _name, _fn in {"ceil": jnp.ceil, "floor": jnp.floor, "trunc": jnp.trunc, "round": jnp.round}.items():
+    _unary(_name, _keep_int(_fn))
+
+
+@lowering("round.decimals", promote="result", promote_args=("self",))
+def round_decimals(self, *, decimals=0):
+    scale = 10.0 ** decimals
+    return jnp.round(self * scale) / scale
+
+
+@lowering("frac.default", promote="result", promote_args=("self",))
+def frac(self):
+    return self - jnp.trunc(self)
+
+
+@lowering("sign.default", promote="result", promote_args=("self",))
+def sign(self):
+    if jnp.result_type(self) == jnp.bool_:
+        return self
+    return jnp.sign(self)
+
+
+@lowering("sgn.default", promote="result", promote_args=("self",))
+def sgn(self):
+    if jnp.iscomplexobj(self):
+        mag = jnp.abs(self)
+        return jnp.where(mag == 0, 0, self / jnp.where(mag == 0, 1, mag))
+    return sign(self)
+
+
+@lowering("logit.default", promote="result", promote_args=("self",))
+def logit(self, eps=None):
+    if eps is not None:
+        self = jnp.clip(self, eps, 1 - eps)
+    return jnp.log(self / (1 - self))
+
+
+@lowering("polygamma.default", promote="result", promote_args=("self",))
+def polygamma(n, self):
+    return jsp.polygamma(n, self)
+
+
+@lowering("mvlgamma.default", promote="result", promote_args=("self",))
+def mvlgamma(self, p):
+    return jsp.multigammaln(self, p)
+
+
+# -- activations and their backwards ------------------------------------------------------------
+@lowering("relu.default", promote="result", promote_args=("self",))
+def relu(self):
+    return jnp.maximum(self, 0)
+
+
+@lowering("threshold.default", promote="result", promote_args=("self",))
+def threshold(self, threshold, value):
+    return jnp.where(self <= threshold, value, self)
+
+
+@lowering("threshold_backward.default", promote="result", promote_args=("grad_output", "self"))
+def threshold_backward(grad_output, self, threshold):
+    return jnp.where(self <= threshold, 0, grad_output)
+
+
+@lowering("gelu.default", promote="result", promote_args=("self",))
+def gelu(self, *, approximate="none"):
+    return jax.nn.gelu(self, approximate=approximate == "tanh")
+
+
+@lowering("gelu_backward.default", promote="result", promote_args=("grad_output", "self"))
+def gelu_backward(grad_output, self, *, approximate="none"):
+    if approximate == "tanh":
+        k = jnp.sqrt(2.0 / jnp.pi).astype(self.dtype)
+        inner = k * (self + 0.044715 * self ** 3)
+        t = jnp.tanh(inner)
+        d = 0.5 * (1 + t) + 0.5 * self * (1 - t * t) * k * (1 + 3 * 0.044715 * self * self)
+        return grad_output * d
+    cdf = 0.5 * (1 + jsp.erf(self / jnp.sqrt(2.0).astype(self.dtype)))
+    pdf = jnp.exp(-0.5 * self * self) / jnp.sqrt(2 * jnp.pi).astype(self.dtype)
+    return grad_output * (cdf + self * pdf)
+
+
+@lowering("silu.default", promote="result", promote_args=("self",))
+def silu(self):
+    return self * jax.nn.sigmoid(self)
+
+
+@lowering("silu_backward.default", promote="result", promote_args=("grad_output", "self"))
+def silu_backward(grad_output, self):
+    s = jax.nn.sigmoid(self)
+    return grad_output * s * (1 + self * (1 - s))
+
+
+@lowering("sigmoid_backward.default", promote="result", promote_args=("grad_output", "output"))
+def sigmoid_backward(grad_output, output):
+    return grad_output * output * (1 - output)
+
+
+@lowering("tanh_backward.default", promote="result", promote_args=("grad_output", "output"))
+def tanh_backward(grad_output, output):
+    return grad_output * (1 - output * output)
+
+
+@lowering("leaky_relu.default", promote="result", promote_args=("self",))
+def leaky_relu(self, negative_slope=0.01):
+    return jnp.where(self > 0, self, self * negative_slope)
+
+
+@lowering("leaky_relu_backward.default", promote="result", promote_args=("grad_output", "self"))
+def leaky_relu_backward(grad_output, self, negative_slope, self_is_result):
+    return jnp.where(self > 0, grad_output, grad_output * negative_slope)
+
+
+@lowering("elu.default", promote="result", promote_args=("self",))
+def elu(self, alpha=1, scale=1, input_scale=1):
+    return jnp.where(self > 0, self * scale, alpha * scale * jnp.expm1(self * input_scale))
+
+
+@lowering("elu_backward.default", promote="result", promote_args=("grad_output", "self_or_result"))
+def elu_backward(grad_output, alpha, scale, input_scale, is_result, self_or_result):
+    x = self_or_result
+    if is_result:
+        neg = grad_output * input_scale * (x + alpha * scale)
+    else:
+        neg = grad_output * input_scale * alpha * scale * jnp.exp(x * input_scale)
+    return jnp.where(x > 0, grad_output * scale, neg)
+
+
+@lowering("hardtanh.default", promote="result", promote_args=("self",))
+def hardtanh(self, min_val=-1, max_val=1):
+    return jnp.clip(self, min_val, max_val)
+
+
+@lowering("hardtanh_backward.default", promote="result", promote_args=("grad_output", "self"))
+def hardtanh_backward(grad_output, self, min_val, max_val):
+    return jnp.where((self <= min_val) | (self >= max_val), 0, grad_output)
+
+
+@lowering("softplus.default", promote="result", promote_args=("self",))
+def softplus(self, beta=1, threshold=20):
+    scaled = self * beta
+    return jnp.where(scaled > threshold, self, jnp.log1p(jnp.exp(scaled)) / beta)
+
+
+@lowering("softplus_backward.default", promote="result", promote_args=("grad_output", "self"))
+def softplus_backward(grad_output, self, beta, threshold):
+    scaled = self * beta
+    return jnp.where(scaled > threshold, grad_output, grad_output * jax.nn.sigmoid(scaled))
+
+
+@lowering("hardsigmoid.default", promote="result", promote_args=("self",))
+def hardsigmoid(self):
+    return jnp.clip(self / 6 + 0.5, 0, 1)
+
+
+@lowering("hardsigmoid_backward.default", promote="result", promote_args=("grad_output", "self"))
+def hardsigmoid_backward(grad_output, self):
+    return jnp.where((self > -3) & (self < 3), grad_output / 6, 0)
+
+
+@lowering("hardswish.default", promote="result", promote_args=("self",))
+def hardswish(self):
+    return self * jnp.clip(self + 3, 0, 6) / 6
+
+
+@lowering("hardswish_backward.default", promote="result", promote_args=("grad_output", "self"))
+def hardswish_backward(grad_output, self):
+    return jnp.where(self < -3, 0, jnp.where(self <= 3, grad_output * ((self / 3) + 0.5), grad_output))
+
+
+@lowering("mish.default", promote="result", promote_args=("self",))
+def mish(self):
+    return self * jnp.tanh(jax.nn.softplus(self))
+
+
+@lowering("mish_backward.default", promote="result", promote_args=("grad_output", "self"))
+def mish_backward(grad_output, self):
+    sp = jax.nn.softplus(self)
+    t = jnp.tanh(sp)
+    return grad_output * (t + self * (1 - t * t) * jax.nn.sigmoid(self))
+
+
+@lowering("log_sigmoid_forward.default", promote="result", promote_args=("self",))
+def log_sigmoid_forward(self):
+    return jax.nn.log_sigmoid(self), jnp.zeros((0,), self.dtype)
+
+
+@lowering("log_sigmoid_backward.default", promote="result", promote_args=("grad_output", "self"))
+def log_sigmoid_backward(grad_output, self, buffer):
+    return grad_output * jax.nn.sigmoid(-self)
+
+
+@lowering("softshrink.default", promote="result", promote_args=("self",))
+def softshrink(self, lambd=0.5):
+    return jnp.where(self > lambd, self - lambd, jnp.where(self < -lambd, self + lambd, 0))
+
+
+@lowering("hardshrink.default", promote="result", promote_args=("self",))
+def hardshrink(self, lambd=0.5):
+    return jnp.where(jnp.abs(self) > lambd, self, 0)
+
+
+@lowering("prelu.default", "_prelu_kernel.default", promote="result", promote_args=("self", "weight"))
+def prelu(self, weight):
+    if weight.ndim == 1 and self.ndim >= 2:
+        weight = weight.reshape((1, -1) + (1,) * (self.ndim - 2))
+    return jnp.where(self > 0, self, self * weight)

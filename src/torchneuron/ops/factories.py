@@ -1,0 +1,220 @@
+"""Filling, copying and random lowerings (the values behind torch.zeros/full/arange/rand...)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .registry import lowering
+
+
+@lowering("fill_.Scalar", "fill_.Tensor", overwrites=True)
+def fill_(self, value):
+    return jnp.full(self.shape, value, dtype=self.dtype)
+
+
+@lowering("zero_.default", overwrites=True)
+def zero_(self):
+    return jnp.zeros(self.shape, self.dtype)
+
+
+@lowering("copy_.default", overwrites=True)
+def copy_(self, src, non_blocking=False):
+    if jnp.iscomplexobj(src) and not jnp.iscomplexobj(self):
+        src = src.real
+    return jnp.broadcast_to(src.astype(self.dtype), self.shape)
+
+
+@lowering("clone.default")
+def clone(self, *, memory_format=None):
+    return self
+
+
+@lowering("lift_fresh_copy.default")
+def lift_fresh_copy(self):
+    return self
+
+
+@lowering("arange.default", static_scalars=True)
+def arange_end(end, **_factory):
+    return _arange(0, end, 1)
+
+
+@lowering("arange.start", static_scalars=True)
+def arange_start(start, end, **_factory):
+    return _arange(start, end, 1)
+
+
+@lowering("arange.start_step", static_scalars=True)
+def arange(start, end, step=1, **_factory):
+    return _arange(start, end, step)
+
+
+def _arange(start, end, step):
+    # Computed as start + i * step in double precision, like PyTorch, then cast by the caller.
+    n = max(int(np.ceil((end - start) / step)), 0)
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end, step)):
+        return start + jnp.arange(n, dtype=jnp.int64) * step
+    return start + jnp.arange(n, dtype=jnp.float64) * step
+
+
+@lowering("linspace.default", static_scalars=True)
+def linspace(start, end, steps, **_factory):
+    if steps == 0:
+        return jnp.zeros((0,), jnp.float64)
+    if steps == 1:
+        return jnp.full((1,), start, jnp.float64)
+    step = (end - start) / (steps - 1)
+    idx = jnp.arange(steps, dtype=jnp.float64)
+    # Filled from both ends, as PyTorch does, so the last element is exactly `end`.
+    return jnp.where(idx < steps // 2, start + step * idx, end - step * (steps - 1 - idx))
+
+
+@lowering("eye.default")
+def eye(n, **_factory):
+    return jnp.eye(n, dtype=jnp.float32)
+
+
+@lowering("eye.m")
+def eye_m(n, m, **_factory):
+    return jnp.eye(n, m, dtype=jnp.float32)
+
+
+# -- random (keys come from the device generator: reproducible under torch.manual_seed) ----------
+def _float_dtype(dtype):
+    return dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.float32
+
+
+@lowering("uniform_.default", random=True, overwrites=True)
+def uniform_(self, from_=0.0, to=1.0, *, generator=None, key):
+    dt = _float_dtype(self.dtype)
+    compute = jnp.float32 if dt in (jnp.float16, jnp.bfloat16) else dt
+    return jax.random.uniform(key, self.shape, compute, from_, to).astype(self.dtype)
+
+
+@lowering("normal_.default", random=True, overwrites=True)
+def normal_(self, mean=0.0, std=1.0, *, generator=None, key):
+    dt = _float_dtype(self.dtype)
+    compute = jnp.float32 if dt in (jnp.float16, jnp.bfloat16) else dt
+    return (jax.random.normal(key, self.shape, compute) * std + mean).astype(self.dtype)
+
+
+@lowering("normal.Tensor_float", random=True)
+def normal_tensor_float(mean, std=1.0, *, generator=None, key):
+    return jax.random.normal(key, mean.shape, jnp.float32).astype(mean.dtype) * std + mean
+
+
+@lowering("normal.float_Tensor", random=True)
+def normal_float_tensor(mean, std, *, generator=None, key):
+    return jax.random.normal(key, std.shape, jnp.float32).astype(std.dtype) * std + mean
+
+
+@lowering("normal.Tensor_Tensor", random=True)
+def normal_tensor_tensor(mean, std, *, generator=None, key):
+    shape = jnp.broadcast_shapes(mean.shape, std.shape)
+    return jax.random.normal(key, shape, jnp.float32).astype(mean.dtype) * std + mean
+
+
+@lowering("random_.from", random=True, overwrites=True)
+def random_from(self, from_, to, *, generator=None, key):
+    hi = to if to is not None else _dtype_max(self.dtype) + 1
+    return jax.random.randint(key, self.shape, from_, hi, dtype=jnp.int64).astype(self.dtype)
+
+
+@lowering("random_.to", random=True, overwrites=True)
+def random_to(self, to, *, generator=None, key):
+    return jax.random.randint(key, self.shape, 0, to, dtype=jnp.int64).astype(self.dtype)
+
+
+@lowering("random_.default", random=True, overwrites=True)
+def random_default(self, *, generator=None, key):
+    hi = _dtype_max(self.dtype) + 1 if jnp.issubdtype(self.dtype, jnp.integer) else 2 ** min(
+        jnp.finfo(self.dtype).nmant + 1, 53) + 1
+    return jax.random.randint(key, self.shape, 0, min(hi, 2 ** 62), dtype=jnp.int64).astype(self.dtype)
+
+
+def _dtype_max(dtype):
+    if dtype == jnp.bool_:
+        return 1
+    if jnp.issubdtype(dtype, jnp.integer):
+        return int(jnp.iinfo(dtype).max)
+    return 2 ** (jnp.finfo(dtype).nmant + 1)
+
+
+@lowering("exponential_.default", random=True, overwrites=True)
+def exponential_(self, lambd=1.0, *, generator=None, key):
+    return (jax.random.exponential(key, self.shape, jnp.float32) / lambd).astype(self.dtype)
+
+
+@lowering("geometric_.default", random=True, overwrites=True)
+def geometric_(self, p, *, generator=None, key):
+    u = jax.random.uniform(key, self.shape, jnp.float32, minval=np.finfo(np.float32).tiny)
+    return jnp.ceil(jnp.log(u) / jnp.log1p(-p)).astype(self.dtype)
+
+
+@lowering("log_normal_.default", random=True, overwrites=True)
+def log_normal_(self, mean=1.0, std=2.0, *, generator=None, key):
+    return jnp.exp(jax.random.normal(key, self.shape, jnp.float32) * std + mean).astype(self.dtype)
+
+
+@lowering("cauchy_.default", random=True, overwrites=True)
+def cauchy_(self, median=0.0, sigma=1.0, *, generator=None, key):
+    return (median + sigma * jax.random.cauchy(key, self.shape, jnp.float32)).astype(self.dtype)
+
+
+@lowering("bernoulli_.float", random=True, overwrites=True)
+def bernoulli_float(self, p=0.5, *, generator=None, key):
+    return jax.random.bernoulli(key, p, self.shape).astype(self.dtype)
+
+
+@lowering("bernoulli_.Tensor", random=True, overwrites=True)
+def bernoulli_tensor(self, p, *, generator=None, key):
+    return (jax.random.uniform(key, self.shape, jnp.float32) < jnp.broadcast_to(p, self.shape)).astype(self.dtype)
+
+
+@lowering("bernoulli.default", random=True)
+def bernoulli(self, *, generator=None, key):
+    return (jax.random.uniform(key, self.shape, jnp.float32) < self).astype(self.dtype)
+
+
+@lowering("bernoulli.p", random=True)
+def bernoulli_p(self, p, *, generator=None, key):
+    return jax.random.bernoulli(key, p, self.shape).astype(self.dtype)
+
+
+@lowering("native_dropout.default", random=True)
+def native_dropout(input, p, train, *, key):
+    if not train or p == 0:
+        return input, jnp.ones(input.shape, bool)
+    if p >= 1:
+        return jnp.zeros_like(input), jnp.zeros(input.shape, bool)
+    keep = jax.random.uniform(key, input.shape, jnp.float32) >= p
+    return jnp.where(keep, input * (1.0 / (1.0 - p)), 0).astype(input.dtype), keep
+
+
+@lowering("native_dropout_backward.default", promote="result", promote_args=("grad_output", "mask"))
+def native_dropout_backward(grad_output, mask, scale):
+    return grad_output * mask * scale
+
+
+@lowering("randperm.default", random=True)
+def randperm(n, *, key, **_factory):
+    return jax.random.permutation(key, n)
+
+
+@lowering("randperm.generator", random=True)
+def randperm_generator(n, *, generator=None, key, **_factory):
+    return jax.random.permutation(key, n)
+
+
+@lowering("multinomial.default", random=True)
+def multinomial(self, num_samples, replacement=False, *, generator=None, key):
+    logits = jnp.log(self.astype(jnp.float32))
+    if replacement:
+        shape = (num_samples,) + self.shape[:-1]
+        out = jax.random.categorical(key, logits, axis=-1, shape=shape)
+        return jnp.moveaxis(out, 0, -1).astype(jnp.int64)
+    # Gumbel top-k: sampling without replacement.
+    g = jax.random.gumbel(key, self.shape, jnp.float32)
+    return jax.lax.top_k(logits + g, num_samples)[1].astype(jnp.int64)

@@ -1,0 +1,204 @@
+"""Indexing lowerings: advanced indexing, gather/scatter, index_*, masked_*, embedding."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .registry import lowering
+
+
+def _index_tuple(indices):
+    return tuple(slice(None) if i is None else i for i in indices)
+
+
+def _wrap(index, size):
+    # Negative indices count from the end, as in PyTorch.
+    return jnp.where(index < 0, index + size, index)
+
+
+@lowering("index.Tensor", "_unsafe_index.Tensor")
+def index(self, indices):
+    # Bool masks were turned into integer indices by the kernel (see eager/dynamic.py).
+    return self[_index_tuple(indices)]
+
+
+@lowering("index_put.default", "_unsafe_index_put.default", promote="result", promote_args=("self", "values"))
+def index_put(self, indices, values, accumulate=False):
+    idx = _index_tuple(indices)
+    return self.at[idx].add(values) if accumulate else self.at[idx].set(values)
+
+
+@lowering("_index_put_impl_.default", promote="result", promote_args=("self", "values"))
+def index_put_impl_(self, indices, values, accumulate=False, unsafe=False):
+    return index_put(self, indices, values, accumulate)
+
+
+def _gather_like(self, dim, index):
+    """``self`` cut down to ``index``'s extent in every dim but ``dim`` (gather/scatter semantics)."""
+    if self.ndim == 0:
+        return self
+    limits = [index.shape[d] if d != dim else self.shape[d] for d in range(self.ndim)]
+    return self[tuple(slice(0, n) for n in limits)]
+
+
+@lowering("gather.default")
+def gather(self, dim, index, *, sparse_grad=False):
+    if self.ndim == 0:
+        return self.reshape(index.shape) if index.size else jnp.zeros(index.shape, self.dtype)
+    dim = dim % self.ndim
+    return jnp.take_along_axis(_gather_like(self, dim, index), _wrap(index, self.shape[dim]), axis=dim)
+
+
+def _scatter_index(index, dim, size):
+    idx = list(jnp.indices(index.shape, sparse=True))
+    idx[dim] = _wrap(index, size)
+    return tuple(idx)
+
+
+def _src_like(src, index):
+    if not hasattr(src, "shape") or src.ndim == 0:
+        return src
+    return src[tuple(slice(0, n) for n in index.shape)]
+
+
+@lowering("scatter.src", "scatter.value", promote="result", promote_args=("self", "src", "value"))
+def scatter(self, dim, index, src=None, value=None):
+    if self.ndim == 0:
+        return jnp.asarray(src if src is not None else value, self.dtype).reshape(())
+    dim = dim % self.ndim
+    vals = _src_like(src if src is not None else value, index)
+    return self.at[_scatter_index(index, dim, self.shape[dim])].set(vals)
+
+
+@lowering("scatter.reduce", "scatter.value_reduce", promote="result", promote_args=("self", "src", "value"))
+def scatter_reduce_legacy(self, dim, index, src=None, value=None, *, reduce):
+    dim = dim % max(self.ndim, 1)
+    vals = _src_like(src if src is not None else value, index)
+    at = self.at[_scatter_index(index, dim, self.shape[dim])]
+    return at.add(vals) if reduce == "add" else at.multiply(vals)
+
+
+@lowering("scatter_add.default", promote="result", promote_args=("self", "src"))
+def scatter_add(self, dim, index, src):
+    if self.ndim == 0:
+        return self + src.reshape(()) if index.size else self
+    dim = dim % self.ndim
+    return self.at[_scatter_index(index, dim, self.shape[dim])].add(_src_like(src, index))
+
+
+@lowering("scatter_reduce.two", promote="result", promote_args=("self", "src"))
+def scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
+    if self.ndim == 0:
+        self, src, index = self.reshape(1), src.reshape(-1), index.reshape(-1)
+        return scatter_reduce(self, 0, index, src, reduce, include_self=include_self).reshape(())
+    dim = dim % self.ndim
+    idx = _scatter_index(index, dim, self.shape[dim])
+    vals = _src_like(src, index)
+    is_float = jnp.issubdtype(self.dtype, jnp.floating)
+    if reduce in ("sum", "mean"):
+        identity = 0
+    elif reduce == "prod":
+        identity = 1
+    elif reduce == "amax":
+        identity = -jnp.inf if is_float else jnp.iinfo(self.dtype).min
+    else:
+        identity = jnp.inf if is_float else jnp.iinfo(self.dtype).max
+    base = self if include_self else self.at[idx].set(jnp.asarray(identity, self.dtype))
+    at = base.at[idx]
+    if reduce in ("sum", "mean"):
+        out = at.add(vals)
+    elif reduce == "prod":
+        out = at.multiply(vals)
+    elif reduce == "amax":
+        out = at.max(vals)
+    else:
+        out = at.min(vals)
+    if reduce == "mean":
+        counts = jnp.zeros(self.shape, jnp.int64).at[idx].add(1) + (1 if include_self else 0)
+        safe = jnp.maximum(counts, 1)
+        out = out / safe if is_float else jnp.floor_divide(out, safe)
+        out = jnp.where(counts == 0, self, out).astype(self.dtype)
+    return out
+
+
+@lowering("index_select.default")
+def index_select(self, dim, index):
+    if self.ndim == 0:
+        return jnp.broadcast_to(self, index.shape)
+    dim = dim % self.ndim
+    return jnp.take(self, _wrap(index.reshape(-1), self.shape[dim]), axis=dim)
+
+
+def _dim_index(ndim, dim, index):
+    return (slice(None),) * dim + (index,)
+
+
+@lowering("index_add.default", promote="result", promote_args=("self", "source"))
+def index_add(self, dim, index, source, *, alpha=1):
+    if self.ndim == 0:
+        return self + jnp.sum(source) * alpha
+    dim = dim % self.ndim
+    return self.at[_dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))].add(source * alpha)
+
+
+@lowering("index_copy.default", promote="result", promote_args=("self", "source"))
+def index_copy(self, dim, index, source):
+    if self.ndim == 0:
+        return source.reshape(())
+    dim = dim % self.ndim
+    return self.at[_dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))].set(source)
+
+
+@lowering("index_fill.int_Scalar", "index_fill.int_Tensor", promote="result", promote_args=("self", "value"))
+def index_fill(self, dim, index, value):
+    if self.ndim == 0:
+        return jnp.asarray(value, self.dtype).reshape(())
+    dim = dim % self.ndim
+    return self.at[_dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))].set(value)
+
+
+@lowering("masked_fill.Scalar", "masked_fill.Tensor", promote="result", promote_args=("self", "value"))
+def masked_fill(self, mask, value):
+    return jnp.where(mask, value, self)
+
+
+@lowering("masked_scatter.default", promote="result", promote_args=("self", "source"))
+def masked_scatter(self, mask, source):
+    mask = jnp.broadcast_to(mask, self.shape).reshape(-1)
+    positions = jnp.cumsum(mask.astype(jnp.int64)) - 1
+    picked = source.reshape(-1)[jnp.clip(positions, 0, max(source.size - 1, 0))]
+    return jnp.where(mask, picked, self.reshape(-1)).reshape(self.shape)
+
+
+@lowering("embedding.default")
+def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return jnp.take(weight, indices, axis=0)
+
+
+@lowering("embedding_dense_backward.default")
+def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    flat = indices.reshape(-1)
+    dim = grad_output.shape[-1]
+    grads = grad_output.reshape(-1, dim)
+    if padding_idx >= 0:
+        grads = jnp.where((flat == padding_idx)[:, None], 0, grads)
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), grads.dtype).at[flat].add(1)
+        grads = grads / counts[flat][:, None]
+    acc = jnp.float32 if grads.dtype in (jnp.float16, jnp.bfloat16) else grads.dtype
+    return jnp.zeros((num_weights, dim), acc).at[flat].add(grads.astype(acc)).astype(grad_output.dtype)
+
+
+@lowering("take.default")
+def take(self, index):
+    flat = self.reshape(-1)
+    return flat[_wrap(index, flat.shape[0])]
+
+
+@lowering("put.default", promote="result", promote_args=("self", "source"))
+def put(self, index, source, accumulate=False):
+    flat = self.reshape(-1)
+    idx = _wrap(index.reshape(-1), flat.shape[0])
+    src = source.reshape(-1)
+    out = flat.at[idx].add(src) if accumulate else flat.at[idx].set(src)
+    return out.reshape(self.shape)

@@ -1,0 +1,58 @@
+"""The one table of lowerings: ATen overload -> pure JAX function.
+
+Eager kernels, adaptive eager and the torch.compile interpreter all read this table. A lowering
+mirrors its ATen schema: tensors arrive as ``jax.Array``s (already materialised from their views),
+``Scalar``s as traced JAX scalars, everything else as plain Python values. It returns the op's
+outputs (for an in-place or ``out=`` op registered under its own name: the new values of the
+mutated arguments). Dtype promotion, output casting, ``out=`` and in-place variants are handled by
+the caller (``torchneuron.eager.kernel``), so a lowering holds only the math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Lowering:
+    name: str                      # ATen overload, e.g. "add.Tensor"
+    fn: Callable
+    # Cast these arguments to the result dtype ("result") or to their common dtype ("common")
+    # before the lowering sees them; None leaves dtypes alone.
+    promote: str | None = None
+    promote_args: tuple[str, ...] | None = None
+    # Scalar arguments that shape the result (arange's end) are compiled in, not runtime inputs.
+    static_scalars: bool = False
+    # The lowering receives ``key=`` (a fresh jax PRNG key per call, from the device generator).
+    random: bool = False
+    # The lowering ignores the current values of mutated arguments (fill_, uniform_, copy_...).
+    overwrites: bool = False
+    # Register in-place/out= variants derived from this functional lowering.
+    derive_variants: bool = True
+    # Arguments the op mutates although its schema does not say so (legacy native_batch_norm).
+    mutates: tuple[str, ...] = ()
+
+
+LOWERINGS: dict[str, Lowering] = {}
+
+
+def lowering(*names: str, promote: str | None = None, promote_args=None, static_scalars=False,
+             random=False, overwrites=False, derive_variants=True, mutates=()):
+    """Register ``fn`` as the lowering of each ATen overload in ``names`` ("add.Tensor")."""
+    def register(fn):
+        for name in names:
+            add(Lowering(name, fn, promote, tuple(promote_args) if promote_args else None,
+                         static_scalars, random, overwrites, derive_variants, tuple(mutates)))
+        return fn
+    return register
+
+
+def add(entry: Lowering) -> None:
+    if entry.name in LOWERINGS:
+        raise ValueError(f"lowering for aten::{entry.name} registered twice")
+    LOWERINGS[entry.name] = entry
+
+
+def get(name: str) -> Lowering | None:
+    return LOWERINGS.get(name)

@@ -1,0 +1,1 @@
+"""Device runtime: PJRT client, memory (DLPack storages), transfers, RNG, device module."""

@@ -1,0 +1,214 @@
+"""The ``torch.neuron`` device module: devices, streams of work, RNG and memory statistics."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..config import config
+from . import memory, pjrt, rng
+
+_state = threading.local()
+
+
+def is_available() -> bool:
+    try:
+        return len(pjrt.devices()) > 0
+    except RuntimeError:
+        return False
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def _lazy_init() -> None:
+    pjrt.devices()
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def device_count() -> int:
+    try:
+        return len(pjrt.devices())
+    except RuntimeError:
+        return 0
+
+
+def _index(device) -> int:
+    if device is None:
+        return current_device()
+    if isinstance(device, int):
+        index = device
+    else:
+        device = torch.device(device)
+        if device.type != "neuron":
+            raise ValueError(f"torchneuron: expected a neuron device, got {device}")
+        index = current_device() if device.index is None else device.index
+    pjrt.device(index)
+    return index
+
+
+def current_device() -> int:
+    return getattr(_state, "index", 0)
+
+
+def set_device(device) -> None:
+    _state.index = _index(device)
+
+
+class device:  # noqa: N801 - mirrors torch.cuda.device
+    """Context manager that makes ``device`` the current neuron device."""
+
+    def __init__(self, device):
+        self.index = _index(device) if device is not None else None
+        self.prev = None
+
+    def __enter__(self):
+        self.prev = current_device()
+        if self.index is not None:
+            _state.index = self.index
+
+    def __exit__(self, *exc):
+        _state.index = self.prev
+        return False
+
+
+def synchronize(device=None) -> None:
+    """Wait until every pending computation on neuron buffers has finished."""
+    from ..eager import adaptive
+    adaptive.flush("synchronize")
+    for rec in list(memory.allocator.records.values()):
+        buf = rec.buf
+        if buf is not None:
+            buf.block_until_ready()
+
+
+def get_device_name(device=None) -> str:
+    dev = pjrt.device(_index(device))
+    return f"neuron ({dev.platform}: {dev.device_kind})"
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    name: str
+    platform: str
+    device_kind: str
+    index: int
+    total_memory: int
+    platform_version: str
+
+
+def get_device_properties(device=None) -> DeviceProperties:
+    index = _index(device)
+    dev = pjrt.device(index)
+    total = 0
+    try:
+        stats = dev.memory_stats() or {}
+        total = int(stats.get("bytes_limit", 0))
+    except Exception:
+        total = 0
+    if not total:
+        import os
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return DeviceProperties(get_device_name(index), dev.platform, dev.device_kind, index, total,
+                            pjrt.platform_version())
+
+
+# -- RNG ------------------------------------------------------------------------------------------
+def manual_seed(seed: int) -> None:
+    rng.generator(current_device()).manual_seed(seed)
+
+
+def manual_seed_all(seed: int) -> None:
+    for i in range(max(device_count(), 1)):
+        rng.generator(i).manual_seed(seed)
+
+
+def seed() -> None:
+    rng.generator(current_device()).manual_seed(rng.fresh_seed())
+
+
+def seed_all() -> None:
+    manual_seed_all(rng.fresh_seed())
+
+
+def initial_seed() -> int:
+    return rng.generator(current_device()).initial
+
+
+def get_rng_state(device="neuron") -> torch.Tensor:
+    return rng.generator(_index(device)).get_state()
+
+
+def set_rng_state(new_state: torch.Tensor, device="neuron") -> None:
+    rng.generator(_index(device)).set_state(new_state)
+
+
+def get_rng_state_all() -> list:
+    return [get_rng_state(i) for i in range(device_count())]
+
+
+def set_rng_state_all(states) -> None:
+    for i, s in enumerate(states):
+        set_rng_state(s, i)
+
+
+# -- memory ---------------------------------------------------------------------------------------
+def memory_allocated(device=None) -> int:
+    return memory.allocator.allocated.get(_index(device), 0)
+
+
+def max_memory_allocated(device=None) -> int:
+    return memory.allocator.peak.get(_index(device), 0)
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    index = _index(device)
+    memory.allocator.peak[index] = memory.allocator.allocated.get(index, 0)
+
+
+def memory_stats(device=None) -> dict:
+    index = _index(device)
+    a = memory.allocator
+    live = sum(1 for r in a.records.values() if r.device_index == index)
+    return {
+        "allocated_bytes.all.current": a.allocated.get(index, 0),
+        "allocated_bytes.all.peak": a.peak.get(index, 0),
+        "allocation.all.current": live,
+        "num_alloc_retries": 0,
+        "num_allocs": a.num_allocs,
+        "num_frees": a.num_frees,
+    }
+
+
+def memory_reserved(device=None) -> int:
+    return memory_allocated(device)
+
+
+def max_memory_reserved(device=None) -> int:
+    return max_memory_allocated(device)
+
+
+def empty_cache() -> None:
+    """Free compiled executables held only by caches; device buffers are freed with their storages."""
+    import gc
+    gc.collect()
+
+
+@contextlib.contextmanager
+def _noop():
+    yield
+
+
+def current_stream(device=None):
+    return None
+
+
+def platform() -> str:
+    return config.platform

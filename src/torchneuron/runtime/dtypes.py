@@ -1,0 +1,66 @@
+"""torch <-> JAX dtype mapping and the float64 policy."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from ..config import config
+from ..metrics import metrics
+
+_TORCH_TO_JAX = {
+    torch.bool: jnp.bool_, torch.uint8: jnp.uint8, torch.int8: jnp.int8, torch.int16: jnp.int16,
+    torch.int32: jnp.int32, torch.int64: jnp.int64, torch.float16: jnp.float16,
+    torch.bfloat16: jnp.bfloat16, torch.float32: jnp.float32, torch.float64: jnp.float64,
+    torch.complex64: jnp.complex64, torch.complex128: jnp.complex128, torch.uint16: jnp.uint16,
+    torch.uint32: jnp.uint32, torch.uint64: jnp.uint64,
+}
+_JAX_TO_TORCH = {np.dtype(v): k for k, v in _TORCH_TO_JAX.items()}
+
+SUPPORTED = frozenset(_TORCH_TO_JAX)
+
+
+def jax_dtype(dtype: torch.dtype):
+    try:
+        return _TORCH_TO_JAX[dtype]
+    except KeyError:
+        raise TypeError(
+            f"torchneuron: dtype {dtype} is not supported on the neuron device (supported: "
+            "float32, bfloat16, float16, float64 (run as float32), complex64, int8/16/32/64, uint8, "
+            "bool). Convert the tensor first, e.g. t.to(torch.float32)."
+        ) from None
+
+
+def torch_dtype(dtype) -> torch.dtype:
+    return _JAX_TO_TORCH[np.dtype(dtype)]
+
+
+_warned_float64: set = set()
+
+# float64 -> float32 and complex128 -> complex64 under the default policy.
+_NARROW = {torch.float64: torch.float32, torch.complex128: torch.complex64}
+
+
+def device_dtype(dtype: torch.dtype, op_name: str) -> torch.dtype:
+    """The dtype a result of ``op_name`` with PyTorch dtype ``dtype`` has on the device."""
+    narrow = _NARROW.get(dtype)
+    if narrow is None or config.float64 == "keep":
+        return dtype
+    if config.float64 == "error":
+        raise TypeError(
+            f"torchneuron: {op_name} would produce a {dtype} tensor, and TORCHNEURON_FLOAT64=error "
+            f"forbids 64-bit floats on neuron. Convert inputs with .to(torch.float32), or set "
+            "TORCHNEURON_FLOAT64=downcast (run as float32) or keep."
+        )
+    metrics.float64_downcasts[op_name] += 1
+    if op_name not in _warned_float64:
+        _warned_float64.add(op_name)
+        warnings.warn(
+            f"torchneuron: {op_name} produced {dtype}; the neuron device runs it as {narrow} "
+            "(set TORCHNEURON_FLOAT64=keep to keep 64-bit floats, or =error to make this an error).",
+            stacklevel=3,
+        )
+    return narrow

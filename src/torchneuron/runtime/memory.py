@@ -1,0 +1,209 @@
+"""Device memory: real PyTorch storages backed by PJRT buffers.
+
+A neuron tensor is a plain ``torch.Tensor`` whose storage comes from a DLPack capsule with
+``device_type = kDLExtDev``: PyTorch sees a storage of the right size on ``neuron:<i>`` whose
+data pointer is a unique handle we choose (never dereferenced). The handle keys a table of
+``StorageRecord``s holding the storage's contents as one flat ``jax.Array``; views share the
+storage and therefore the record. The capsule's deleter runs when PyTorch frees the storage, which
+is what makes ``memory_allocated()`` exact.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from .dtypes import jax_dtype
+
+_KDL_EXT_DEV = 12
+# DLPack type codes: int, uint, float, bfloat, complex, bool.
+_DL_CODES = {
+    torch.bool: (6, 8), torch.uint8: (1, 8), torch.int8: (0, 8), torch.int16: (0, 16),
+    torch.int32: (0, 32), torch.int64: (0, 64), torch.float16: (2, 16), torch.bfloat16: (4, 16),
+    torch.float32: (2, 32), torch.float64: (2, 64), torch.complex64: (5, 64),
+    torch.complex128: (5, 128), torch.uint16: (1, 16), torch.uint32: (1, 32), torch.uint64: (1, 64),
+}
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                             ("deleter", _DELETER)]
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+class StorageRecord:
+    """What the allocator knows about one storage: its flat buffer and its size."""
+
+    __slots__ = ("buf", "nbytes", "dtype", "numel", "device_index", "__weakref__")
+
+    def __init__(self, nbytes: int, dtype: torch.dtype, device_index: int, buf=None):
+        self.nbytes = nbytes
+        self.dtype = dtype               # element type of ``buf``
+        self.numel = nbytes // dtype.itemsize
+        self.device_index = device_index
+        self.buf = buf                   # flat jax.Array of ``numel`` elements, or None (never written)
+
+
+class _Allocator:
+    # Handles live far above any user-space address so they never collide with CPU pointers.
+    _BASE = 1 << 60
+
+    def __init__(self):
+        self.records: dict[int, StorageRecord] = {}
+        self._live_structs: dict[int, tuple] = {}
+        self._addresses = itertools.count()
+        self._next = self._BASE
+        self._lock = threading.Lock()
+        self.allocated = {}   # device index -> bytes
+        self.peak = {}
+        self.num_allocs = 0
+        self.num_frees = 0
+
+    def _on_free(self, managed_ptr) -> None:
+        try:
+            addr = ctypes.addressof(managed_ptr.contents)
+            struct, _shape, _strides = self._live_structs.pop(addr)
+            record = self.records.pop(struct.dl_tensor.data)
+            self.allocated[record.device_index] -= record.nbytes
+            self.num_frees += 1
+            record.buf = None
+        except Exception:  # interpreter shutdown: the tables may already be gone
+            pass
+
+    def new_tensor(self, sizes, strides, dtype: torch.dtype, device_index: int, buf=None,
+                   storage_nbytes: int | None = None) -> torch.Tensor:
+        """A neuron tensor with the given layout on a fresh storage holding ``buf``."""
+        ndim = len(sizes)
+        extent = 0 if any(s == 0 for s in sizes) else 1 + sum((s - 1) * st for s, st in zip(sizes, strides))
+        if storage_nbytes is None:
+            storage_nbytes = extent * dtype.itemsize
+        code, bits = _DL_CODES[dtype]
+        # DLPack sizes the storage from the layout; a storage larger than the layout needs is
+        # made flat and then viewed with the requested layout.
+        flat = storage_nbytes != extent * dtype.itemsize
+        dl_sizes = (storage_nbytes // dtype.itemsize,) if flat else sizes
+        dl_strides = (1,) if flat else strides
+        with self._lock:
+            addr = self._next
+            self._next += (max(storage_nbytes, 1) + 63) & ~63
+            self.num_allocs += 1
+            used = self.allocated.get(device_index, 0) + storage_nbytes
+            self.allocated[device_index] = used
+            if used > self.peak.get(device_index, 0):
+                self.peak[device_index] = used
+        self.records[addr] = StorageRecord(storage_nbytes, dtype, device_index, buf)
+        m = _DLManagedTensor()
+        nd = len(dl_sizes)
+        shape_arr = (ctypes.c_int64 * max(nd, 1))(*dl_sizes)
+        stride_arr = (ctypes.c_int64 * max(nd, 1))(*dl_strides)
+        t = m.dl_tensor
+        t.data = addr
+        t.device = _DLDevice(_KDL_EXT_DEV, device_index)
+        t.ndim = nd
+        t.dtype = _DLDataType(code, bits, 1)
+        t.shape = shape_arr
+        t.strides = stride_arr
+        m.deleter = _deleter
+        self._live_structs[ctypes.addressof(m)] = (m, shape_arr, stride_arr)
+        tensor = torch.utils.dlpack.from_dlpack(_capsule_new(ctypes.addressof(m), b"dltensor", None))
+        if flat:
+            tensor = _AS_STRIDED(_CPU_KEYS, tensor, list(sizes), list(strides), 0)
+        return tensor
+
+
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_AS_STRIDED = torch.ops.aten.as_strided.default.redispatch
+
+
+allocator = _Allocator()
+
+
+@_DELETER
+def _deleter(managed_ptr):
+    allocator._on_free(managed_ptr)
+
+
+# The ctypes callback must outlive every storage, including those freed at interpreter exit.
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_deleter))
+
+
+def storage_address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def record_of(t: torch.Tensor) -> StorageRecord:
+    """The allocator record behind a neuron tensor, or a clear error if there is none."""
+    rec = allocator.records.get(t.untyped_storage().data_ptr())
+    if rec is None:
+        if t.device.type != "neuron":
+            raise RuntimeError(f"torchneuron: expected a neuron tensor, got one on {t.device}")
+        raise RuntimeError(
+            f"torchneuron: the storage of this neuron tensor (shape {tuple(t.shape)}, {t.dtype}) has "
+            "been freed or resized to zero bytes; it can no longer be read. Keep a reference to the "
+            "tensor that owns the data, or re-create it."
+        )
+    return rec
+
+
+def empty_buffer(rec: StorageRecord):
+    """The buffer of a storage nobody has written yet: zeros, created on first read."""
+    if rec.buf is None:
+        from . import pjrt
+        rec.buf = jax_put(np.zeros(rec.numel, dtype=jax_dtype(rec.dtype)), rec.device_index)
+    return rec.buf
+
+
+def jax_put(array, device_index: int):
+    import jax
+
+    from . import pjrt
+    return jax.device_put(array, pjrt.device(device_index))
+
+
+def new_buffer_tensor(buf, dtype: torch.dtype, device_index: int, sizes=None, strides=None) -> torch.Tensor:
+    """Wrap a flat jax buffer as a contiguous neuron tensor (or with the given layout)."""
+    if sizes is None:
+        sizes = (int(buf.shape[0]),)
+    if strides is None:
+        strides = contiguous_strides(sizes)
+    return allocator.new_tensor(tuple(sizes), tuple(strides), dtype, device_index, buf=buf,
+                                storage_nbytes=int(buf.shape[0]) * dtype.itemsize)
+
+
+def contiguous_strides(sizes) -> tuple:
+    strides = []
+    acc = 1
+    for s in reversed(sizes):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+def zeros_like_buffer(numel: int, dtype: torch.dtype):
+    return jnp.zeros((numel,), dtype=jax_dtype(dtype))
