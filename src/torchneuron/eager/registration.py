@@ -192,6 +192,8 @@ def _kernel_table() -> dict:
 
     table = {}
     for name, low in registry.LOWERINGS.items():
+        if low.graph_only:
+            continue
         try:
             overload = _overload(name)
         except AttributeError:

@@ -32,18 +32,22 @@ class Lowering:
     derive_variants: bool = True
     # Arguments the op mutates although its schema does not say so (legacy native_batch_norm).
     mutates: tuple[str, ...] = ()
+    # Only for graphs (torch.compile): view ops are metadata-only in eager mode, where PyTorch's
+    # own kernels build them over the same storage, so they get no eager kernel.
+    graph_only: bool = False
 
 
 LOWERINGS: dict[str, Lowering] = {}
 
 
 def lowering(*names: str, promote: str | None = None, promote_args=None, static_scalars=False,
-             random=False, overwrites=False, derive_variants=True, mutates=()):
+             random=False, overwrites=False, derive_variants=True, mutates=(), graph_only=False):
     """Register ``fn`` as the lowering of each ATen overload in ``names`` ("add.Tensor")."""
     def register(fn):
         for name in names:
             add(Lowering(name, fn, promote, tuple(promote_args) if promote_args else None,
-                         static_scalars, random, overwrites, derive_variants, tuple(mutates)))
+                         static_scalars, random, overwrites, derive_variants, tuple(mutates),
+                         graph_only))
         return fn
     return register
 
