@@ -24,7 +24,7 @@ def register() -> None:
 
     from .eager import registration
     from .runtime import device as device_module
-    from .runtime import printing
+    from .runtime import printing, serialization
 
     class _Hooks(torch._C._acc.PrivateUse1Hooks):
         def is_available(self) -> bool:
@@ -45,6 +45,7 @@ def register() -> None:
             "neuron", backend_module=device_module, hook=_Hooks(), device_guard=_Guard())
     registration.register_all()
     printing.install()
+    serialization.install()
     _registered = True
 
 

@@ -185,6 +185,14 @@ def _redispatch_cpu(overload):
     return kernel
 
 
+def _is_composite_implicit(op) -> bool:
+    """Ops PyTorch decomposes above the backend (autograd comes from the decomposition): a backend
+    kernel would bypass their derivative, so eager mode leaves them alone; graphs still use them."""
+    schema = op._schema
+    qualname = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
+    return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CompositeImplicitAutograd")
+
+
 def _kernel_table() -> dict:
     """ATen overload name -> PrivateUse1 kernel, for everything torchneuron implements."""
     from .. import ops  # noqa: F401  (imports every lowering module)
@@ -198,15 +206,17 @@ def _kernel_table() -> dict:
             overload = _overload(name)
         except AttributeError:
             raise RuntimeError(f"torchneuron: lowering registered for unknown op aten::{name}") from None
+        if _is_composite_implicit(overload):
+            continue
         table.setdefault(name, Kernel(overload, low))
         if not low.derive_variants:
             continue
         inplace, out = _find_variants(name)
-        if inplace is not None:
+        if inplace is not None and not _is_composite_implicit(inplace):
             iname = _key(inplace)
             if iname not in registry.LOWERINGS:
                 table[iname] = Kernel(inplace, low, functional=overload)
-        if out is not None:
+        if out is not None and not _is_composite_implicit(out):
             oname = _key(out)
             if oname not in registry.LOWERINGS:
                 table[oname] = OutKernel(out, table[name])

@@ -174,7 +174,6 @@ def record_of(t: torch.Tensor) -> StorageRecord:
 def empty_buffer(rec: StorageRecord):
     """The buffer of a storage nobody has written yet: zeros, created on first read."""
     if rec.buf is None:
-        from . import pjrt
         rec.buf = jax_put(np.zeros(rec.numel, dtype=jax_dtype(rec.dtype)), rec.device_index)
     return rec.buf
 
@@ -183,7 +182,9 @@ def jax_put(array, device_index: int):
     import jax
 
     from . import pjrt
-    return jax.device_put(array, pjrt.device(device_index))
+    # Never alias host memory: on the CPU platform PJRT could otherwise share the numpy buffer,
+    # and a later in-place write to the source CPU tensor would show up on the device.
+    return jax.device_put(array, pjrt.device(device_index), may_alias=False)
 
 
 def new_buffer_tensor(buf, dtype: torch.dtype, device_index: int, sizes=None, strides=None) -> torch.Tensor:

@@ -68,7 +68,9 @@ def to_host(t: torch.Tensor) -> np.ndarray:
 def upload(host: np.ndarray, device_index: int):
     metrics.h2d_copies += 1
     metrics.h2d_bytes += host.nbytes
-    return memory.jax_put(host, device_index)
+    # The transfer may complete asynchronously: hand PJRT a private copy so that later writes to
+    # the caller's CPU tensor cannot race with it.
+    return memory.jax_put(np.array(host, copy=True), device_index)
 
 
 def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:

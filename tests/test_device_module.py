@@ -1,0 +1,63 @@
+"""The neuron device is a first-class PyTorch device: torch.device, torch.accelerator, torch.neuron."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torchneuron
+
+
+def test_device_strings():
+    assert torch.device("neuron").type == "neuron"
+    assert torch.device("neuron:0").index == 0
+    assert torch.ones(2, device="neuron:0").device == torch.device("neuron:0")
+
+
+def test_accelerator_api():
+    assert torch.accelerator.is_available()
+    assert torch.accelerator.current_accelerator() == torch.device("neuron")
+    assert torch.accelerator.device_count() == torch.neuron.device_count() >= 1
+
+
+def test_device_module_functions():
+    m = torch.neuron
+    assert m.is_available()
+    assert m.current_device() == 0
+    m.set_device(0)
+    with m.device(0):
+        assert m.current_device() == 0
+    m.synchronize()
+    assert "neuron" in m.get_device_name()
+    props = m.get_device_properties(0)
+    assert props.total_memory > 0 and props.platform == torchneuron.config.platform
+
+
+def test_autoload_through_torch_backends_entry_point():
+    # A fresh interpreter that only imports torch has the neuron device.
+    code = "import torch; print(torch.zeros(2, device='neuron').device, torch.neuron.is_available())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["neuron:0", "True"]
+
+
+def test_register_is_idempotent():
+    torchneuron.register()
+    torchneuron.register()
+    assert (torch.ones(3, device="neuron") + 1).cpu().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_unknown_device_index_is_a_clear_error():
+    bad = torch.neuron.device_count()
+    with pytest.raises(RuntimeError, match=rf"invalid device index neuron:{bad}"):
+        torch.zeros(2, device=f"neuron:{bad}")
+    with pytest.raises(RuntimeError, match="invalid device index"):
+        torch.neuron.set_device(bad)
+
+
+def test_missing_platform_plugin_names_it():
+    code = ("import os; os.environ['TORCHNEURON_PLATFORM']='tpu'; import torch\n"
+            "try:\n    torch.zeros(1, device='neuron')\nexcept RuntimeError as e:\n    print('ERR', e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "ERR" in out.stdout and "TORCHNEURON_PLATFORM='tpu'" in out.stdout and "libtpu" in out.stdout

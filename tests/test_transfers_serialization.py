@@ -1,0 +1,89 @@
+"""Host <-> device transfers and torch.save/torch.load round trips."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import torchneuron
+from conftest import assert_same
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int16,
+                                   torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64])
+def test_round_trip_every_dtype(dtype):
+    c = (torch.randn(5, 7) * 10).to(dtype)
+    n = c.to("neuron")
+    assert n.dtype == dtype and n.device == torch.device("neuron:0")
+    assert torch.equal(n.cpu(), c)
+
+
+def test_to_variants_and_copy_both_directions():
+    c = torch.randn(4, 3)
+    n = c.to("neuron", non_blocking=True)
+    assert torch.equal(n.to(torch.float16).cpu(), c.to(torch.float16))
+    assert torch.equal(n.to("cpu", torch.int32), c.to(torch.int32))
+    dst = torch.empty(4, 3, device="neuron")
+    dst.copy_(c, non_blocking=True)
+    assert torch.equal(dst.cpu(), c)
+    host = torch.empty(4, 3, dtype=torch.float64)
+    host.copy_(n)
+    assert torch.equal(host, c.double())
+    # broadcasting copy into a strided view
+    big = torch.zeros(4, 6, device="neuron")
+    big[:, ::2].copy_(torch.arange(3.0))
+    ref = torch.zeros(4, 6)
+    ref[:, ::2].copy_(torch.arange(3.0))
+    assert_same(big, ref)
+
+
+def test_transfers_are_counted():
+    torchneuron.metrics.reset()
+    c = torch.randn(10, 10)
+    n = c.to("neuron")
+    n.cpu()
+    m = torchneuron.metrics()
+    assert (m["h2d_copies"], m["h2d_bytes"]) == (1, 400)
+    assert (m["d2h_copies"], m["d2h_bytes"]) == (1, 400)
+
+
+def test_item_tolist_numpy_print():
+    n = torch.tensor([[1.5, 2.0], [3.0, 4.0]], device="neuron")
+    assert n[0, 0].item() == 1.5
+    assert n.tolist() == [[1.5, 2.0], [3.0, 4.0]]
+    assert torch.tensor(3, device="neuron").item() == 3
+    with pytest.raises(TypeError, match="can't convert neuron:0 device type tensor to numpy"):
+        n.numpy()
+    np.testing.assert_array_equal(n.cpu().numpy(), [[1.5, 2.0], [3.0, 4.0]])
+    text = repr(n)
+    assert "device='neuron:0'" in text and "1.5000" in text
+    assert "grad_fn" in repr(n.requires_grad_() * 2)
+
+
+def test_save_load_tensors_modules_optimizer(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to("neuron")
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(3, 4, device="neuron")).sum().backward()
+    opt.step()
+    t = torch.arange(6.0, device="neuron").view(2, 3).t()
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "t": t}, path)
+
+    on_cpu = torch.load(path, map_location="cpu")
+    assert on_cpu["t"].device.type == "cpu" and torch.equal(on_cpu["t"], t.cpu())
+    for k, v in model.state_dict().items():
+        assert torch.equal(on_cpu["model"][k], v.cpu())
+
+    on_neuron = torch.load(path, map_location="neuron")
+    assert on_neuron["t"].device == torch.device("neuron:0")
+    assert torch.equal(on_neuron["t"].cpu(), t.cpu())
+    restored = torch.optim.Adam(model.parameters(), lr=0.01)
+    restored.load_state_dict(on_neuron["opt"])
+    for state in restored.state.values():
+        assert state["exp_avg"].device.type == "neuron"
+
+    # without map_location the tensors come back on neuron
+    again = torch.load(io.BytesIO(path.read_bytes()))
+    assert again["t"].device.type == "neuron" and torch.equal(again["t"].cpu(), t.cpu())
