@@ -33,8 +33,9 @@ def torch_from_host(a: np.ndarray) -> torch.Tensor:
     if not a.flags.writeable:
         a = np.array(a)   # arrays read back from PJRT are read-only views
     if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(a))
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16).reshape(a.shape)).view(torch.bfloat16)
+    # ascontiguousarray turns 0-d arrays into 1-d ones: keep the shape.
+    return torch.from_numpy(np.ascontiguousarray(a).reshape(a.shape))
 
 
 @functools.lru_cache(maxsize=4096)
