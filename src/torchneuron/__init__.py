@@ -45,6 +45,9 @@ def register() -> None:
             "neuron", backend_module=device_module, hook=_Hooks(), device_guard=_Guard())
     registration.register_all()
     printing.install()
+    # The `neuron` c10d backend: a registry entry only (torch.distributed is already imported).
+    from . import distributed
+    distributed.register()
     serialization.install()
     _registered = True
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -206,8 +207,64 @@ def _noop():
     yield
 
 
-def current_stream(device=None):
-    return None
+# -- streams and events ---------------------------------------------------------------------------
+# Each device runs its work as one ordered queue (JAX dispatch keeps data dependencies), so every
+# stream is that queue and cross-stream waits are already satisfied. These exist so stream-aware
+# code written for CUDA (FSDP2, DDP, torch.accelerator users) runs unchanged.
+class Stream(torch.Stream):
+    """A neuron stream: ``torch.neuron.Stream(priority=-1)`` like ``torch.cuda.Stream``."""
+
+    def __new__(cls, device=None, priority: int = 0, **kwargs):
+        return super().__new__(cls, device=torch.device("neuron", _index(device)), priority=priority)
+
+    def synchronize(self) -> None:
+        synchronize(self.device_index)
+
+
+class Event(torch.Event):
+    """A neuron event; ``synchronize`` waits for the device and timing events measure wall time."""
+
+    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+                device=None):
+        return super().__new__(cls, device=torch.device("neuron", _index(device)),
+                               enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+                 device=None):
+        self._timing = enable_timing
+        self._time = None
+
+    def record(self, stream=None) -> None:
+        super().record(stream)
+        if self._timing:
+            synchronize()
+            self._time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        synchronize()
+
+    def elapsed_time(self, end_event: Event) -> float:
+        if not (self._timing and end_event._timing) or self._time is None or end_event._time is None:
+            raise RuntimeError("torchneuron: elapsed_time needs two recorded events created with "
+                               "torch.neuron.Event(enable_timing=True)")
+        return (end_event._time - self._time) * 1000.0
+
+
+def current_stream(device=None) -> Stream:
+    return Stream(device)
+
+
+def default_stream(device=None) -> Stream:
+    return Stream(device)
+
+
+def set_stream(stream) -> None:
+    """Streams are one queue per device, so there is nothing to switch."""
+
+
+def stream(stream):
+    """``with torch.neuron.stream(s):`` — a no-op context, as every stream is the device's queue."""
+    return _noop()
 
 
 def platform() -> str:

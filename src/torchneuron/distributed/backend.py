@@ -1,0 +1,625 @@
+"""The ``neuron`` c10d process group: collectives on neuron tensors, staged through host memory over gloo.
+
+c10d cannot take a Python ``Backend``, but it accepts a Python ``ProcessGroup`` subclass from a
+registered creator; its methods are reached both from ``torch.distributed``'s Python API and from
+C++ callers (DDP's reducer, functional collectives used by DTensor/FSDP2) through PyTorch's
+trampoline. Every collective here:
+
+1. copies each neuron input to a host tensor (one device->host copy, counted in metrics);
+2. runs the same collective on those host tensors with an internal ``ProcessGroupGloo``, which owns
+   the transport, the rendezvous through the c10d store, and the timeout;
+3. when gloo completes, copies results back into the neuron outputs (host->device) on the thread
+   that completes the work, then completes the ``Work`` handed to the caller.
+
+CPU tensors skip the staging and go straight to gloo, so one group serves both devices (the default
+``init_process_group()`` device map routes CPU to gloo this way). The internal gloo backend is also
+registered as the group's CPU backend, so object collectives, ``group_name`` and timeouts behave as
+for any gloo group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    ProcessGroupGloo,
+    ReduceOp,
+    ReduceScatterOptions,
+)
+
+from ..metrics import metrics
+from . import staging
+
+BACKEND_NAME = "neuron"
+_RedOpType = ReduceOp.RedOpType
+_SUM = ReduceOp(_RedOpType.SUM)
+_metrics_lock = threading.Lock()
+
+
+class CollectiveError(RuntimeError):
+    """A collective on the ``neuron`` process group failed (or a peer did)."""
+
+
+class NeuronWork(dist.Work):
+    """A collective in flight. ``wait()`` returns once the results are in the output tensors.
+
+    The future completes after the copy back to the device, so ``get_future()`` callbacks (DDP's
+    comm hooks) and C++ waits (functional collectives) see finished neuron tensors.
+    """
+
+    def __init__(self, future: torch.futures.Future, source_rank: Callable[[], int] | None = None):
+        super().__init__()
+        self._future = future
+        self._source_rank_fn = source_rank
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        if seconds and seconds > 0 and not self._future.done():
+            finished = threading.Event()
+            self._future.add_done_callback(lambda _: finished.set())
+            if not finished.wait(seconds):
+                raise CollectiveError(
+                    f"torchneuron: Work.wait(timeout={seconds:.3g} s) expired before the collective "
+                    "finished; the collective itself keeps running until the process group's timeout. "
+                    "Wait without a timeout, or raise it.")
+        self._future.wait()   # raises the collective's error, if any
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:
+            return False
+        return True
+
+    def exception(self):
+        if not self._future.done():
+            return None
+        try:
+            self._future.value()
+        except Exception as err:
+            return err
+        return None
+
+    def result(self):
+        return self._future.value()
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def source_rank(self) -> int:
+        if self._source_rank_fn is None:
+            raise RuntimeError("torchneuron: source_rank() is only defined for recv from any source")
+        self.wait()
+        return self._source_rank_fn()
+
+    _source_rank = source_rank
+
+
+def _combined_work(works: Sequence[dist.Work]) -> NeuronWork:
+    return NeuronWork(torch.futures.collect_all([w.get_future() for w in works]))
+
+
+class _Completer:
+    """One thread that waits for gloo works which have no future (send/recv, reduce-scatter)."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, work, future: torch.futures.Future, complete: Callable[[Exception | None], object]):
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="torchneuron-c10d", daemon=True)
+                self._thread.start()
+        self._queue.put((work, future, complete))
+
+    def _run(self):
+        while True:
+            work, future, complete = self._queue.get()
+            try:
+                try:
+                    work.wait()
+                except Exception as err:
+                    complete(err)   # raises the wrapped error
+                future.set_result(complete(None))
+            except BaseException as err:  # noqa: B036 - the caller's future must always finish
+                future.set_exception(err)
+
+
+def _reduce_op(op) -> tuple[ReduceOp, float | None]:
+    """gloo's reduction for ``op``; PREMUL_SUM becomes a host-side scale then SUM."""
+    red = op if isinstance(op, ReduceOp) else ReduceOp(op)
+    if red.op == _RedOpType.PREMUL_SUM:
+        factor = red.factor
+        if not isinstance(factor, float | int):
+            raise CollectiveError(
+                "torchneuron: ReduceOp.PREMUL_SUM with a tensor factor is not supported by the neuron "
+                "process group; scale the tensor first and use ReduceOp.SUM.")
+        return _SUM, float(factor)
+    return red, None
+
+
+def _op_name(op) -> str:
+    red = op if isinstance(op, ReduceOp) else ReduceOp(op)
+    return red.op.name
+
+
+class ProcessGroupNeuron(dist.ProcessGroup):
+    """The process group ``init_process_group("neuron")`` creates (see the module docstring)."""
+
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, group_name: str = "",
+                 global_ranks: Sequence[int] = ()):
+        super().__init__(rank, size)
+        self._timeout = timeout
+        self._gloo = ProcessGroupGloo(store, rank, size, timeout)
+        self._gloo.options.global_ranks_in_group = list(global_ranks)
+        self._gloo.options.group_name = group_name
+        self._gloo._set_sequence_number_for_group()
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
+        self._completer = _Completer()
+        self._coalesced: list[dist.Work] | None = None
+
+    # -- identity -----------------------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - name c10d's trampoline calls
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def _get_backend(self, device) -> dist.ProcessGroup:
+        # gloo moves the bytes for every device; callers only ask it about capabilities
+        # (splitting, tensor allocation, timeouts).
+        return self._gloo
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupNeuron(rank={self.rank()}, size={self.size()})"
+
+    # -- the machinery shared by every collective ----------------------------------------------
+    def _placement(self, name: str, tensors: Sequence[torch.Tensor]) -> bool:
+        """True if the collective runs on neuron tensors, False for CPU tensors."""
+        kinds = {t.device.type for t in tensors}
+        if not kinds or kinds == {"cpu"}:
+            return False
+        if kinds == {"neuron"}:
+            return True
+        raise CollectiveError(
+            f"torchneuron: {name} got tensors on {', '.join(sorted(str(t.device) for t in tensors))}; "
+            "the neuron process group needs all of a collective's tensors on neuron or all on CPU. "
+            "Move them with .to('neuron') or .cpu().")
+
+    def _fail(self, name: str, tensors, err: BaseException, started: float) -> CollectiveError:
+        desc = staging.describe(tensors)
+        text = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        peer = any(s in str(err) for s in ("Connection", "closed", "Timed out", "timed out", "reset",
+                                           "Broken pipe", "peer"))
+        hint = ("a peer process exited or stopped responding; look for the first failure in the other "
+                "ranks' logs" if peer else "check that every rank calls the same collectives in the same "
+                "order with matching shapes and dtypes")
+        return CollectiveError(
+            f"torchneuron: {name} on {desc} failed on rank {self.rank()} of {self.size()} after "
+            f"{time.perf_counter() - started:.1f} s: {text}. Likely cause: {hint}. The group's timeout "
+            f"is {self._timeout} (set with init_process_group(timeout=...)).")
+
+    def _run(self, name: str, tensors: Sequence[torch.Tensor], nbytes: int, launch: Callable[[], object],
+             finish: Callable[[], object], source_rank: bool = False) -> NeuronWork:
+        """Launch a gloo collective and return a work that completes once ``finish`` has run."""
+        started = time.perf_counter()
+        try:
+            work = launch()
+        except CollectiveError:
+            raise
+        except Exception as err:
+            raise self._fail(name, tensors, err, started) from err
+
+        def complete(err: BaseException | None):
+            if err is not None:
+                raise self._fail(name, tensors, err, started) from err
+            with torch.no_grad():
+                value = finish()
+            staging.flush()
+            with _metrics_lock:
+                metrics.collectives[name] += 1
+                metrics.collective_bytes += nbytes
+                metrics.collective_seconds += time.perf_counter() - started
+            return value
+
+        try:
+            gloo_future = work.get_future()
+        except RuntimeError:   # gloo's send/recv/reduce-scatter works have no future
+            gloo_future = None
+        if gloo_future is not None:
+            def on_done(fut):
+                try:
+                    fut.value()
+                except Exception as err:
+                    return complete(err)
+                return complete(None)
+            future = gloo_future.then(on_done)
+        else:
+            future = torch.futures.Future()
+            self._completer.submit(work, future, complete)
+        result = NeuronWork(future, source_rank=work._source_rank if source_rank else None)
+        if self._coalesced is not None:
+            self._coalesced.append(result)
+        return result
+
+    # -- all-reduce ---------------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        opts = opts or AllreduceOptions()
+        name = "all_reduce"
+        neuron = self._placement(name, tensors)
+        red, factor = _reduce_op(opts.reduceOp)
+        host = [staging.to_host(t) for t in tensors] if neuron else list(tensors)
+        if factor is not None:
+            for h in host:
+                h.mul_(factor)
+        gopts = AllreduceOptions()
+        gopts.reduceOp, gopts.timeout = red, opts.timeout
+
+        def finish():
+            if neuron:
+                for t, h in zip(tensors, host):
+                    staging.to_device(t, h)
+            return list(tensors)
+        return self._run(name, tensors, staging.nbytes(tensors), lambda: self._gloo.allreduce(host, gopts), finish)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        name = "all_reduce_coalesced"
+        neuron = self._placement(name, tensors)
+        red, factor = _reduce_op(opts.reduceOp if opts is not None else _SUM)
+        gopts = AllreduceOptions()
+        gopts.reduceOp = red
+        if opts is not None:
+            gopts.timeout = opts.timeout
+        # One flat host buffer per dtype: one gloo all-reduce however many tensors DDP/FSDP pass.
+        groups = staging.flatten_by_dtype(tensors, read=True) if neuron else None
+        works = []
+        if neuron:
+            for flat, members in groups:
+                if factor is not None:
+                    flat.mul_(factor)
+
+                def finish(flat=flat, members=members):
+                    staging.unflatten_to_device(flat, members)
+                    return [m for _, m, _ in members]
+                works.append(self._run(name, [m for _, m, _ in members], flat.nbytes,
+                                       lambda flat=flat: self._gloo.allreduce([flat], gopts), finish))
+        else:
+            for t in tensors:
+                if factor is not None:
+                    t.mul_(factor)
+                works.append(self._run(name, [t], staging.nbytes([t]),
+                                       lambda t=t: self._gloo.allreduce([t], gopts), lambda t=t: [t]))
+        return works[0] if len(works) == 1 else _combined_work(works)
+
+    # -- broadcast / reduce --------------------------------------------------------------------
+    def broadcast(self, tensors, opts=None):
+        opts = opts or dist.BroadcastOptions()
+        name = "broadcast"
+        neuron = self._placement(name, tensors)
+        root = self.rank() == opts.rootRank
+        if neuron:
+            host = [staging.to_host(t) if root else staging.empty_like(t) for t in tensors]
+        else:
+            host = list(tensors)
+
+        def finish():
+            if neuron and not root:
+                for t, h in zip(tensors, host):
+                    staging.to_device(t, h)
+            return list(tensors)
+        return self._run(name, tensors, staging.nbytes(tensors), lambda: self._gloo.broadcast(host, opts), finish)
+
+    def reduce(self, tensors, opts=None):
+        opts = opts or dist.ReduceOptions()
+        name = "reduce"
+        neuron = self._placement(name, tensors)
+        red, factor = _reduce_op(opts.reduceOp)
+        host = [staging.to_host(t) for t in tensors] if neuron else list(tensors)
+        if factor is not None:
+            for h in host:
+                h.mul_(factor)
+        gopts = dist.ReduceOptions()
+        gopts.reduceOp, gopts.rootRank, gopts.rootTensor, gopts.timeout = red, opts.rootRank, opts.rootTensor, opts.timeout
+        root = self.rank() == opts.rootRank
+
+        def finish():
+            if neuron and root:
+                for t, h in zip(tensors, host):
+                    staging.to_device(t, h)
+            return list(tensors)
+        return self._run(name, tensors, staging.nbytes(tensors), lambda: self._gloo.reduce(host, gopts), finish)
+
+    # -- all-gather ----------------------------------------------------------------------------
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        opts = opts or AllgatherOptions()
+        name = "all_gather"
+        flat_out = [t for row in output_tensors for t in row]
+        neuron = self._placement(name, list(input_tensors) + flat_out)
+        if neuron:
+            host_in = [staging.to_host(t) for t in input_tensors]
+            host_out = [[staging.empty_like(t) for t in row] for row in output_tensors]
+        else:
+            host_in, host_out = input_tensors, output_tensors
+
+        def finish():
+            if neuron:
+                for row, hrow in zip(output_tensors, host_out):
+                    for t, h in zip(row, hrow):
+                        staging.to_device(t, h)
+            return output_tensors
+        return self._run(name, flat_out, staging.nbytes(flat_out),
+                         lambda: self._gloo.allgather(host_out, host_in, opts), finish)
+
+    def all_gather_single(self, output, input, opts=None):
+        opts = opts or AllgatherOptions()
+        name = "all_gather_into_tensor"
+        neuron = self._placement(name, [output, input])
+        host_in = staging.to_host(input) if neuron else input
+        host_out = staging.empty_like(output) if neuron else output
+
+        def finish():
+            if neuron:
+                staging.to_device(output, host_out)
+            return [output]
+        return self._run(name, [output], staging.nbytes([output]),
+                         lambda: self._gloo._allgather_base(host_out, host_in, opts), finish)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or AllgatherOptions()
+        name = "all_gather_into_tensor_coalesced"
+        neuron = self._placement(name, list(outputs) + list(inputs))
+        if not neuron:
+            works = [self._run(name, [o], staging.nbytes([o]),
+                               lambda o=o, i=i: self._gloo._allgather_base(o, i, opts), lambda o=o: [o])
+                     for o, i in zip(outputs, inputs)]
+            return works[0] if len(works) == 1 else _combined_work(works)
+        # Inputs of one dtype travel as one buffer; rank r's block of the result holds every
+        # input's r-th shard, which is copied into the matching slice of each output.
+        works = []
+        size = self.size()
+        for flat, members in staging.flatten_by_dtype(inputs, read=True):
+            gathered = torch.empty(size * flat.numel(), dtype=flat.dtype)
+            outs = [outputs[i] for i, _, _ in members]
+
+            def finish(gathered=gathered, members=members, outs=outs):
+                blocks = gathered.view(size, -1)
+                for out, (_, _, (start, numel)) in zip(outs, members):
+                    staging.to_device(out, blocks[:, start:start + numel].reshape(out.shape))
+                return outs
+            works.append(self._run(name, outs, gathered.nbytes,
+                                   lambda g=gathered, f=flat: self._gloo._allgather_base(g, f, opts), finish))
+        return works[0] if len(works) == 1 else _combined_work(works)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        # output_lists[r][j] receives rank r's input j: one all-gather per input.
+        opts = opts or AllgatherOptions()
+        works = [self.allgather([[row[j] for row in output_lists]], [inp], opts) for j, inp in enumerate(input_list)]
+        return works[0] if len(works) == 1 else _combined_work(works)
+
+    # -- reduce-scatter ------------------------------------------------------------------------
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts or ReduceScatterOptions()
+        name = "reduce_scatter"
+        flat_in = [t for row in input_tensors for t in row]
+        neuron = self._placement(name, list(output_tensors) + flat_in)
+        red, factor = _reduce_op(opts.reduceOp)
+        if neuron:
+            host_in = [[staging.to_host(t) for t in row] for row in input_tensors]
+            host_out = [staging.empty_like(t) for t in output_tensors]
+        else:
+            host_in = [[t.clone() for t in row] for row in input_tensors] if factor is not None else input_tensors
+            host_out = output_tensors
+        if factor is not None:
+            for row in host_in:
+                for h in row:
+                    h.mul_(factor)
+        gopts = ReduceScatterOptions()
+        gopts.reduceOp, gopts.timeout = red, opts.timeout
+
+        def finish():
+            if neuron:
+                for t, h in zip(output_tensors, host_out):
+                    staging.to_device(t, h)
+            return list(output_tensors)
+        return self._run(name, list(output_tensors), staging.nbytes(flat_in),
+                         lambda: self._gloo.reduce_scatter(host_out, host_in, gopts), finish)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = opts or ReduceScatterOptions()
+        name = "reduce_scatter_tensor"
+        neuron = self._placement(name, [output, input])
+        red, factor = _reduce_op(opts.reduceOp)
+        if neuron:
+            host_in, host_out = staging.to_host(input), staging.empty_like(output)
+        else:
+            host_in = input.clone() if factor is not None else input
+            host_out = output
+        if factor is not None:
+            host_in.mul_(factor)
+        gopts = ReduceScatterOptions()
+        gopts.reduceOp, gopts.timeout = red, opts.timeout
+
+        def finish():
+            if neuron:
+                staging.to_device(output, host_out)
+            return [output]
+        return self._run(name, [output], staging.nbytes([input]),
+                         lambda: self._gloo._reduce_scatter_base(host_out, host_in, gopts), finish)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or ReduceScatterOptions()
+        name = "reduce_scatter_tensor_coalesced"
+        neuron = self._placement(name, list(outputs) + list(inputs))
+        if not neuron:
+            works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+            return works[0] if len(works) == 1 else _combined_work(works)
+        red, factor = _reduce_op(opts.reduceOp)
+        gopts = ReduceScatterOptions()
+        gopts.reduceOp, gopts.timeout = red, opts.timeout
+        size = self.size()
+        works = []
+        # Per dtype, one buffer whose r-th block holds every input's r-th shard: one gloo op.
+        for flat, members in staging.flatten_by_dtype(inputs, read=True, blocks=size):
+            if factor is not None:
+                flat.mul_(factor)
+            shard = torch.empty(flat.numel() // size, dtype=flat.dtype)
+            outs = [outputs[i] for i, _, _ in members]
+
+            def finish(shard=shard, members=members, outs=outs):
+                for out, (_, _, (start, numel)) in zip(outs, members):
+                    staging.to_device(out, shard[start // size:(start + numel) // size].view(out.shape))
+                return outs
+            works.append(self._run(name, outs, flat.nbytes,
+                                   lambda s=shard, f=flat: self._gloo._reduce_scatter_base(s, f, gopts), finish))
+        return works[0] if len(works) == 1 else _combined_work(works)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- all-to-all ----------------------------------------------------------------------------
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        opts = opts or dist.AllToAllOptions()
+        name = "all_to_all_single"
+        neuron = self._placement(name, [output, input])
+        host_in = staging.to_host(input) if neuron else input
+        host_out = staging.empty_like(output) if neuron else output
+        out_splits, in_splits = list(output_split_sizes), list(input_split_sizes)
+
+        def finish():
+            if neuron:
+                staging.to_device(output, host_out)
+            return [output]
+        return self._run(name, [output, input], max(staging.nbytes([output]), staging.nbytes([input])),
+                         lambda: self._gloo.alltoall_base(host_out, host_in, out_splits, in_splits, opts), finish)
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.AllToAllOptions()
+        name = "all_to_all"
+        neuron = self._placement(name, list(output_tensors) + list(input_tensors))
+        if neuron:
+            host_in = [staging.to_host(t) for t in input_tensors]
+            host_out = [staging.empty_like(t) for t in output_tensors]
+        else:
+            host_in, host_out = input_tensors, output_tensors
+
+        def finish():
+            if neuron:
+                for t, h in zip(output_tensors, host_out):
+                    staging.to_device(t, h)
+            return list(output_tensors)
+        return self._run(name, list(output_tensors), max(staging.nbytes(output_tensors), staging.nbytes(input_tensors)),
+                         lambda: self._gloo.alltoall(host_out, host_in, opts), finish)
+
+    # -- gather / scatter ----------------------------------------------------------------------
+    def gather(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.GatherOptions()
+        name = "gather"
+        flat_out = [t for row in output_tensors for t in row]
+        neuron = self._placement(name, list(input_tensors) + flat_out)
+        if neuron:
+            host_in = [staging.to_host(t) for t in input_tensors]
+            host_out = [[staging.empty_like(t) for t in row] for row in output_tensors]
+        else:
+            host_in, host_out = input_tensors, output_tensors
+
+        def finish():
+            if neuron:
+                for row, hrow in zip(output_tensors, host_out):
+                    for t, h in zip(row, hrow):
+                        staging.to_device(t, h)
+            return output_tensors
+        return self._run(name, list(input_tensors), max(staging.nbytes(flat_out), staging.nbytes(input_tensors)),
+                         lambda: self._gloo.gather(host_out, host_in, opts), finish)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.ScatterOptions()
+        name = "scatter"
+        flat_in = [t for row in input_tensors for t in row]
+        neuron = self._placement(name, list(output_tensors) + flat_in)
+        if neuron:
+            host_in = [[staging.to_host(t) for t in row] for row in input_tensors]
+            host_out = [staging.empty_like(t) for t in output_tensors]
+        else:
+            host_in, host_out = input_tensors, output_tensors
+
+        def finish():
+            if neuron:
+                for t, h in zip(output_tensors, host_out):
+                    staging.to_device(t, h)
+            return list(output_tensors)
+        return self._run(name, list(output_tensors), max(staging.nbytes(flat_in), staging.nbytes(output_tensors)),
+                         lambda: self._gloo.scatter(host_out, host_in, opts), finish)
+
+    # -- barrier and point-to-point ------------------------------------------------------------
+    def barrier(self, opts=None):
+        opts = opts or dist.BarrierOptions()
+        staging.flush()
+        return self._run("barrier", [], 0, lambda: self._gloo.barrier(opts), lambda: [])
+
+    def send(self, tensors, dst_rank, tag=0):
+        name = "send"
+        neuron = self._placement(name, tensors)
+        host = [staging.to_host(t) for t in tensors] if neuron else list(tensors)
+        return self._run(name, tensors, staging.nbytes(tensors), lambda: self._gloo.send(host, dst_rank, tag),
+                         lambda: list(tensors))
+
+    def _recv(self, tensors, launch, anysource):
+        name = "recv"
+        neuron = self._placement(name, tensors)
+        host = [staging.empty_like(t) for t in tensors] if neuron else list(tensors)
+
+        def finish():
+            if neuron:
+                for t, h in zip(tensors, host):
+                    staging.to_device(t, h)
+            return list(tensors)
+        return self._run(name, tensors, staging.nbytes(tensors), lambda: launch(host), finish, source_rank=anysource)
+
+    def recv(self, tensors, src_rank, tag=0):
+        return self._recv(tensors, lambda host: self._gloo.recv(host, src_rank, tag), anysource=False)
+
+    def recv_anysource(self, tensors, tag=0):
+        return self._recv(tensors, lambda host: self._gloo.recv_anysource(host, tag), anysource=True)
+
+    # -- coalescing (``_coalescing_manager(device=...)``) ---------------------------------------
+    def _start_coalescing(self, device=None) -> None:
+        if self._coalesced is not None:
+            raise CollectiveError("torchneuron: _coalescing_manager blocks on one process group cannot nest")
+        self._coalesced = []
+
+    def _end_coalescing(self, device=None) -> NeuronWork:
+        works, self._coalesced = self._coalesced or [], None
+        return _combined_work(works)
+
+
+def create(backend_opts, pg_options=None) -> ProcessGroupNeuron:
+    """The creator c10d calls (``extended_api=True``) for every group using the ``neuron`` backend."""
+    return ProcessGroupNeuron(backend_opts.store, backend_opts.group_rank, backend_opts.group_size,
+                              backend_opts.timeout, backend_opts.group_id,
+                              list(backend_opts.global_ranks_in_group))
