@@ -169,7 +169,7 @@ class Kernel:
         if random:
             gen = rng.generator(ctx.device_index if ctx.device_index is not None else _current_device())
             runtime.extend(gen.next_key_inputs())
-        key = (self, tuple(specs), statics)
+        key = (self, tuple(specs), statics, tuple(ctx.storages))
         exe = _cache.get(key)
         if exe is None:
             exe = self._compile(key, values, specs, bufs, runtime, ctx)
@@ -295,11 +295,14 @@ class Kernel:
 class _KeyContext:
     """Collects the buffers, runtime scalars and device of one call while its key is built."""
 
-    __slots__ = ("bufs", "addrs", "slots", "runtime", "device_index")
+    __slots__ = ("bufs", "addrs", "slots", "runtime", "device_index", "storages")
 
     def __init__(self, bufs, addrs, slots, runtime):
         self.bufs, self.addrs, self.slots, self.runtime = bufs, addrs, slots, runtime
         self.device_index = None
+        # (numel, dtype) of each storage buffer: executables are compiled for exact buffer avals,
+        # and two views with equal layouts can sit on storages of different sizes.
+        self.storages = []
 
     def tensor(self, t):
         try:
@@ -320,6 +323,7 @@ class _KeyContext:
             slot = self.slots[addr] = len(self.bufs)
             self.bufs.append(rec.buf if rec.buf is not None else memory.empty_buffer(rec))
             self.addrs.append(addr)
+            self.storages.append((rec.numel, rec.dtype))
         return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), slot)
 
     def _unusual_tensor(self, t):
