@@ -59,6 +59,13 @@ def _device_of(args, kwargs):
 
 
 def neuron_fallback(op, *args, **kwargs):
+    tracer = metrics.tracer
+    if tracer is not None:   # profiler ranges / readiness report: see torchneuron.profiler
+        return tracer.fallback(op, _neuron_fallback, args, kwargs)
+    return _neuron_fallback(op, *args, **kwargs)
+
+
+def _neuron_fallback(op, *args, **kwargs):
     name = op.name()
     if name not in _SKIP_DECOMPOSITION:
         decomp = decomposition_table.get(op)
@@ -70,7 +77,56 @@ def neuron_fallback(op, *args, **kwargs):
                 return decomp(*args, **kwargs)
             finally:
                 active.discard(op)
+        functional = _functional_of(op)
+        if functional is not None and functional in decomposition_table and functional not in active:
+            return _out_via_functional(op, functional, args, kwargs)
     return cpu_fallback(op, args, kwargs)
+
+
+_functional_cache: dict = {}
+
+
+def _out_args(op):
+    return [a.name for a in op._schema.arguments if a.kwarg_only and a.alias_info is not None
+            and a.alias_info.is_write]
+
+
+def _functional_of(op):
+    """For an ``out=`` overload, the functional overload computing the same thing (or None)."""
+    if op in _functional_cache:
+        return _functional_cache[op]
+    found = None
+    outs = _out_args(op)
+    if outs:
+        want = [(a.name, str(a.type)) for a in op._schema.arguments if a.name not in outs]
+        packet = getattr(torch.ops.aten, op._schema.name.split("::", 1)[1])
+        for name in packet.overloads():
+            cand = getattr(packet, name)
+            if cand is not op and [(a.name, str(a.type)) for a in cand._schema.arguments] == want:
+                found = cand
+                break
+    _functional_cache[op] = found
+    return found
+
+
+def _out_via_functional(op, functional, args, kwargs):
+    # Structured ops reach the backend through their out= form; compute the functional form
+    # (decomposed into lowered ops) and write the result into the caller's out tensors.
+    from .registration import write_out
+
+    kwargs = dict(kwargs)
+    outs = [kwargs.pop(n) for n in _out_args(op)]
+    metrics.decompositions[functional.name().split("::", 1)[1]] += 1
+    active = _active()
+    active.add(functional)
+    try:
+        result = decomposition_table[functional](*args, **kwargs)
+    finally:
+        active.discard(functional)
+    results = result if isinstance(result, tuple) else (result,)
+    for out, value in zip(outs, results):
+        write_out(out, value, op.name())
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def cpu_fallback(op, args, kwargs):

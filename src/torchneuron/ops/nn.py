@@ -356,9 +356,13 @@ def native_batch_norm_legit(input, weight, bias, running_mean, running_var, trai
     if training:
         out, mean, invstd, rm, rv = _bn_train(input, weight, bias, running_mean, running_var, momentum, eps)
         return rm, rv, out, mean, invstd
-    out = _bn_eval(input, weight, bias, running_mean, running_var, eps)
-    empty = jnp.zeros((0,), _acc(input))
-    return running_mean, running_var, out, empty, empty
+    return (running_mean, running_var) + _bn_eval_saving_stats(input, weight, bias, running_mean, running_var, eps)
+
+
+def _bn_eval_saving_stats(input, weight, bias, running_mean, running_var, eps):
+    # In eval mode the "saved" statistics are the running ones (what the backward will use).
+    invstd = lax.rsqrt(running_var.astype(_acc(input)) + eps)
+    return _bn_apply(input, weight, bias, running_mean, invstd), running_mean, invstd
 
 
 @lowering("_native_batch_norm_legit.no_stats")
@@ -378,8 +382,7 @@ def native_batch_norm(input, weight, bias, running_mean, running_var, training, 
     if training:
         out, mean, invstd, rm, rv = _bn_train(input, weight, bias, running_mean, running_var, momentum, eps)
         return rm, rv, out, mean, invstd
-    empty = jnp.zeros((0,), _acc(input))
-    return running_mean, running_var, _bn_eval(input, weight, bias, running_mean, running_var, eps), empty, empty
+    return (running_mean, running_var) + _bn_eval_saving_stats(input, weight, bias, running_mean, running_var, eps)
 
 
 @lowering("_batch_norm_with_update.default")

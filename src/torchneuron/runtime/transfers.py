@@ -60,6 +60,13 @@ def device_array(t: torch.Tensor):
 
 
 def to_host(t: torch.Tensor) -> np.ndarray:
+    tracer = metrics.tracer
+    if tracer is not None:   # profiler ranges / readiness report: see torchneuron.profiler
+        return tracer.copy("d2h", _to_host, t)
+    return _to_host(t)
+
+
+def _to_host(t: torch.Tensor) -> np.ndarray:
     arr = np.asarray(device_array(t))
     metrics.d2h_copies += 1
     metrics.d2h_bytes += arr.nbytes
@@ -67,6 +74,13 @@ def to_host(t: torch.Tensor) -> np.ndarray:
 
 
 def upload(host: np.ndarray, device_index: int):
+    tracer = metrics.tracer
+    if tracer is not None:
+        return tracer.copy("h2d", _upload, host, device_index)
+    return _upload(host, device_index)
+
+
+def _upload(host: np.ndarray, device_index: int):
     metrics.h2d_copies += 1
     metrics.h2d_bytes += host.nbytes
     # The transfer may complete asynchronously: hand PJRT a private copy so that later writes to
