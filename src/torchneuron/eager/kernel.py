@@ -172,11 +172,11 @@ class Kernel:
         key = (self, tuple(specs), statics, tuple(ctx.storages))
         exe = _cache.get(key)
         if exe is None:
-            exe = self._compile(key, values, specs, bufs, runtime, ctx)
+            exe, results = self._compile(key, values, specs, bufs, runtime, ctx)
             _cache[key] = exe
         else:
             metrics.cache_hits += 1
-        results = exe.call(*bufs, *runtime)
+            results = exe.call(*bufs, *runtime)
         return self._finish(exe, results, values, addrs, ctx)
 
     def _finish(self, exe, results, values, addrs, ctx):
@@ -235,9 +235,11 @@ class Kernel:
             promote_dtype = self._promotion_dtype(values, new_meta, meta_out)
         fn = _Traced(self, specs, values, out_specs, write_targets, writes, promote_dtype, ctx)
         jitted = jax.jit(fn)
+        # The first call traces and compiles; later calls take jit's C++ dispatch fast path
+        # (a Compiled object's own __call__ is a much slower Python path).
         start = time.perf_counter()
         try:
-            compiled = jitted.lower(*bufs, *runtime).compile()
+            results = jitted(*bufs, *runtime)
         except Exception as err:
             raise RuntimeError(
                 f"torchneuron: compiling aten::{self.short_name} failed for inputs "
@@ -246,7 +248,7 @@ class Kernel:
             ) from err
         metrics.compile_seconds += time.perf_counter() - start
         metrics.executables_compiled += 1
-        return Executable(compiled, out_specs, writes, self.short_name)
+        return Executable(jitted, out_specs, writes, self.short_name), results
 
     def _run_meta(self, values):
         meta_values = [_to_meta(v) for v in values]
@@ -376,8 +378,6 @@ class _Traced:
         runtime = list(flat[self.nbufs:])
         rt = iter(runtime)
         values = list(self.values)
-        promote = self.promote_dtype
-        promote_idx = set(k.promote_idx or ())
         for i, spec in zip(k.dynamic, self.specs):
             kind = k.kinds[i]
             if kind in (_TENSOR_LIST, _OPT_TENSOR_LIST):
@@ -386,37 +386,12 @@ class _Traced:
                 values[i] = None
             else:
                 values[i] = _materialise(spec, bufs, rt)
-            if promote is not None and i in promote_idx and values[i] is not None:
-                values[i] = _cast(values[i], promote)
-        for i in k.static:
-            if k.kinds[i] in (_SCALAR, _OPT_SCALAR) and values[i] is not None and promote is not None \
-                    and i in promote_idx:
-                values[i] = jnp.asarray(values[i], dtype=jax_dtype(promote))
-        kw = {}
+        key = None
         if k.lowering.random:
             seed, offset = runtime[-2], runtime[-1]
-            kw["key"] = jax.random.fold_in(jax.random.key(seed), offset)
-        if k.lowering.overwrites:
-            for i in k.mutated:
-                if isinstance(values[i], jax.Array):
-                    values[i] = jnp.zeros(values[i].shape, values[i].dtype)
-        pos = [v for v, kwo in zip(values, k.kwarg_only) if not kwo]
-        kw.update({n: v for n, v, kwo in zip(k.arg_names, values, k.kwarg_only) if kwo})
-        result = k.lowering.fn(*pos, **kw)
-        if k.functional is not None and not isinstance(result, tuple):
-            result = (result,)
-        results = list(result) if isinstance(result, list | tuple) else [result]
-        # Mutated arguments come first in what a lowering returns, then new outputs.
-        n_mut = len(self.write_targets)
-        mutated_vals = results[:n_mut] if k.mutated else []
-        new_vals = results[n_mut:] if k.mutated else results
-        if k.returns_list and len(new_vals) == 1 and isinstance(new_vals[0], list | tuple):
-            new_vals = list(new_vals[0])
-        if len(new_vals) != len(self.out_specs) or len(mutated_vals) != n_mut:
-            raise RuntimeError(
-                f"torchneuron: lowering of aten::{k.short_name} returned {len(results)} values; the "
-                f"schema needs {n_mut} mutated + {len(self.out_specs)} new outputs (a bug in the lowering)"
-            )
+            key = jax.random.fold_in(jax.random.key(seed), offset)
+        mutated_vals, new_vals = call_lowering(k, values, self.promote_dtype, key, len(self.write_targets),
+                                               len(self.out_specs))
         outputs = []
         for value, spec in zip(new_vals, self.out_specs):
             if spec is None:
@@ -441,6 +416,52 @@ class _Traced:
             new_bufs[slot] = layout.write(base, value, jax_dtype(dtype), sizes, strides, offset)
         written = [new_bufs.get(slot, bufs[slot]) for slot in self.writes]
         return tuple(outputs) + tuple(written)
+
+
+def call_lowering(k, values, promote, key, n_mut, n_new):
+    """Run ``k``'s lowering on materialised arguments: the convention eager kernels and
+    torch.compile graphs share.
+
+    ``values`` holds the arguments in schema order (tensors as jax arrays) and is updated in place.
+    Arguments named by the lowering's promotion are cast to ``promote`` (a torch dtype or None);
+    ``key`` is the PRNG key of a random lowering. Returns (new values of the ``n_mut`` mutated
+    tensors, the ``n_new`` new outputs) -- a lowering returns the mutated arguments first.
+    """
+    if promote is not None:
+        for i in k.promote_idx:
+            v = values[i]
+            if v is None:
+                continue
+            if i in k.static:
+                # Static Scalars (static_scalars lowerings) are compiled-in Python numbers.
+                if k.kinds[i] in (_SCALAR, _OPT_SCALAR):
+                    values[i] = jnp.asarray(v, dtype=jax_dtype(promote))
+            else:
+                values[i] = _cast(v, promote)
+    kw = {}
+    if k.lowering.random:
+        kw["key"] = key
+    if k.lowering.overwrites:
+        for i in k.mutated:
+            if isinstance(values[i], jax.Array):
+                values[i] = jnp.zeros(values[i].shape, values[i].dtype)
+    pos = [v for v, kwo in zip(values, k.kwarg_only) if not kwo]
+    kw.update({n: v for n, v, kwo in zip(k.arg_names, values, k.kwarg_only) if kwo})
+    result = k.lowering.fn(*pos, **kw)
+    if k.functional is not None and not isinstance(result, tuple):
+        result = (result,)
+    results = list(result) if isinstance(result, list | tuple) else [result]
+    # Mutated arguments come first in what a lowering returns, then new outputs.
+    mutated_vals = results[:n_mut] if k.mutated else []
+    new_vals = results[n_mut:] if k.mutated else results
+    if k.returns_list and len(new_vals) == 1 and isinstance(new_vals[0], list | tuple):
+        new_vals = list(new_vals[0])
+    if len(new_vals) != n_new or len(mutated_vals) != n_mut:
+        raise RuntimeError(
+            f"torchneuron: lowering of aten::{k.short_name} returned {len(results)} values; the "
+            f"schema needs {n_mut} mutated + {n_new} new outputs (a bug in the lowering)"
+        )
+    return mutated_vals, new_vals
 
 
 def _materialise(spec, bufs, rt):
