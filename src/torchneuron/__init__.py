@@ -48,6 +48,7 @@ def register() -> None:
     # The `neuron` c10d backend: a registry entry only (torch.distributed is already imported).
     from . import distributed
     distributed.register()
+    device_module.install_storage_resize()   # FSDP2 frees parameters with storage.resize_(0)
     serialization.install()
     _registered = True
 

@@ -267,5 +267,32 @@ def stream(stream):
     return _noop()
 
 
+# -- storage resizing (FSDP2 frees and re-allocates unsharded parameters this way) ----------------
+# PyTorch routes UntypedStorage.resize_ on PrivateUse1 to a C++ hook that a Python backend cannot
+# implement, so neuron storages are handled here and every other storage keeps PyTorch's method.
+_storage_resize = torch.UntypedStorage.resize_
+
+
+def _resize_storage(storage, size):
+    if storage.device.type != "neuron":
+        return _storage_resize(storage, size)
+    rec = memory.allocator.records.get(storage.data_ptr())
+    nbytes = storage.nbytes()
+    if rec is None or size not in (0, nbytes):
+        raise RuntimeError(
+            f"torchneuron: UntypedStorage.resize_({size}) on a neuron storage of {nbytes} bytes: only "
+            "freeing (resize_(0)) and re-allocating to the original size are supported. Use "
+            "Tensor.resize_() or allocate a new tensor to change a tensor's size.")
+    if size == 0:
+        # The device buffer goes now; the storage keeps its nominal size, and its next use starts
+        # from a fresh buffer (as after resize_ on CUDA, the old contents are gone).
+        rec.buf = None
+    return storage
+
+
+def install_storage_resize() -> None:
+    torch.UntypedStorage.resize_ = _resize_storage
+
+
 def platform() -> str:
     return config.platform
