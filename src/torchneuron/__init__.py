@@ -50,6 +50,8 @@ def register() -> None:
     distributed.register()
     device_module.install_storage_resize()   # FSDP2 frees parameters with storage.resize_(0)
     serialization.install()
+    from . import profiler
+    profiler.install_hooks()   # neuron ranges in torch.profiler traces
     _registered = True
 
 
@@ -63,9 +65,14 @@ def __getattr__(name):
     if name in ("pad_to_multiple", "bucket_length"):
         from .compile import shapes
         return getattr(shapes, name)
+    if name in ("step", "track", "check"):
+        # Migration-readiness report: mark steps, track values, or collect a report in-process.
+        from . import report
+        value = globals()[name] = getattr(report, name)
+        return value
     raise AttributeError(f"module 'torchneuron' has no attribute {name!r}")
 
 
 register()
 
-__all__ = ["config", "metrics", "register", "__version__"]
+__all__ = ["config", "metrics", "register", "step", "track", "check", "__version__"]

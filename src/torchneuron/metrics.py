@@ -10,6 +10,10 @@ from collections import Counter, defaultdict
 
 
 class _Registry:
+    # Set by torchneuron.profiler while a profiler session or readiness report is active; the
+    # kernels, fallback and copies call it only then. Survives reset(), never in snapshots.
+    tracer = None
+
     def __init__(self):
         self.reset()
 
@@ -44,7 +48,7 @@ class _Registry:
 
     def snapshot(self) -> dict:
         data = {k: (dict(v) if isinstance(v, Counter | defaultdict) else copy.copy(v))
-                for k, v in vars(self).items()}
+                for k, v in vars(self).items() if k != "tracer"}
         lookups = self.executables_compiled + self.cache_hits
         data["cache_hit_rate"] = self.cache_hits / lookups if lookups else 0.0
         data["fallback_count"] = sum(self.fallbacks.values())

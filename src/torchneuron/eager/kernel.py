@@ -531,3 +531,29 @@ def _output_device(values, kernel) -> int:
             if dev.index is not None:
                 return dev.index
     return _current_device()
+
+
+# -- tracing (torch.profiler ranges, readiness-report call sites) ---------------------------------
+# Swapped in only while metrics.tracer is installed (torchneuron.profiler.update), so the plain hot
+# path pays nothing, not even a None check.
+_plain_call = Kernel.__call__
+_plain_compile = Kernel._compile
+
+
+def _traced_call(self, *args, **kwargs):
+    tracer = metrics.tracer
+    if tracer is None:
+        return _plain_call(self, *args, **kwargs)
+    return tracer.kernel(self, _plain_call, args, kwargs)
+
+
+def _traced_compile(self, *args):
+    tracer = metrics.tracer
+    if tracer is None:
+        return _plain_compile(self, *args)
+    return tracer.compile(self, _plain_compile, args)
+
+
+def set_tracing(on: bool) -> None:
+    Kernel.__call__ = _traced_call if on else _plain_call
+    Kernel._compile = _traced_compile if on else _plain_compile

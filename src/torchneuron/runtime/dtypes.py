@@ -56,6 +56,8 @@ def device_dtype(dtype: torch.dtype, op_name: str) -> torch.dtype:
             "TORCHNEURON_FLOAT64=downcast (run as float32) or keep."
         )
     metrics.float64_downcasts[op_name] += 1
+    if metrics.tracer is not None:   # the readiness report records where it happened
+        metrics.tracer.float64(op_name)
     if op_name not in _warned_float64:
         _warned_float64.add(op_name)
         warnings.warn(

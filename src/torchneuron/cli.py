@@ -1,0 +1,243 @@
+"""The ``torchneuron`` command.
+
+    torchneuron check [options] -- python train.py ARGS...     migration-readiness report
+    torchneuron env [--json]                                   version manifest of this machine
+
+``check`` runs the unmodified script in a child process under a collector (and, when asked, again
+on CPU as a numerical and performance baseline, and again as a warm start), then writes
+report.md, report.html and report.json. Exit status: 0 ready, 1 problems at or above --fail-on,
+2 the command could not be run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+_PY_FLAGS_WITH_VALUE = ("-X", "-W", "-Q")
+
+
+def _split_command(command: list[str]) -> tuple[list[str], list[str]]:
+    """["python", "-u", "train.py", "--lr", "1"] -> (["python", "-u"], ["train.py", "--lr", "1"])."""
+    if not command:
+        raise SystemExit("torchneuron check: give the command after --, e.g. -- python train.py")
+    first = command[0]
+    if first.endswith(".py"):
+        return [sys.executable], command
+    if not os.path.basename(first).startswith("python"):
+        raise SystemExit(f"torchneuron check runs Python programs; got {first!r}. "
+                         "Use: torchneuron check -- python train.py ARGS")
+    exe = shutil.which(first) or first
+    interp, rest = [exe], command[1:]
+    while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-c"):
+        flag = rest.pop(0)
+        interp.append(flag)
+        if flag in _PY_FLAGS_WITH_VALUE and rest:
+            interp.append(rest.pop(0))
+    if not rest:
+        raise SystemExit("torchneuron check: no script or -m module in the command")
+    return interp, rest
+
+
+def _parse_tolerances(specs) -> dict:
+    out = {}
+    for spec in specs or ():
+        name, sep, value = spec.partition("=")
+        if not sep:
+            raise SystemExit(f"--tol expects NAME=RTOL[,ATOL], got {spec!r}")
+        parts = value.split(",")
+        try:
+            rtol = float(parts[0])
+            atol = float(parts[1]) if len(parts) > 1 else 0.0
+        except ValueError:
+            raise SystemExit(f"--tol expects numbers, got {spec!r}") from None
+        out[name] = (rtol, atol)
+    return out
+
+
+def _tee(stream, sinks):
+    for line in iter(stream.readline, b""):
+        for sink in sinks:
+            sink.write(line)
+            sink.flush()
+    stream.close()
+
+
+def _run_child(label, interp, script_argv, spec, folder, args, env) -> dict:
+    """One run of the script; returns its data (or a stand-in if it produced none)."""
+    from .report import analyze
+
+    spec_path = os.path.join(folder, f"spec-{label}.json")
+    out_path = os.path.join(folder, f"run-{label}.json")
+    spec["output"] = out_path
+    if os.path.exists(out_path):
+        os.remove(out_path)
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    cmd = [*interp, "-m", "torchneuron.report.runner", spec_path, "--", *script_argv]
+    log_path = os.path.join(folder, f"{label}.log")
+    print(f"torchneuron check: {label} run: {' '.join(script_argv)}", file=sys.stderr, flush=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        sinks = [log] if args.quiet else [log, sys.stdout.buffer]
+        reader = threading.Thread(target=_tee, args=(proc.stdout, sinks), daemon=True)
+        reader.start()
+        limit = None
+        if args.timeout:
+            # The script stops itself at --timeout; this is the hard stop if it cannot.
+            limit = args.timeout + max(30.0, 0.25 * args.timeout)
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+            timed_out = True
+        except KeyboardInterrupt:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        reader.join(timeout=10)
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            return json.load(f)
+    why = (f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}") + \
+        f" before writing its data; see {log_path}"
+    if timed_out:
+        why = f"did not stop within {limit:.0f} s of its {args.timeout:g} s time budget and was killed"
+    run = analyze.empty_run(spec["role"], f"The {label} run {why}.", script_argv, spec.get("device_map"))
+    run["status"]["reason"] = "timeout" if timed_out else None
+    return run
+
+
+def check(argv: list[str]) -> int:
+    if "--" in argv:
+        split = argv.index("--")
+        opts, command = argv[:split], argv[split + 1:]
+    else:
+        opts, command = argv, []
+    p = argparse.ArgumentParser(
+        prog="torchneuron check",
+        usage="torchneuron check [options] -- python train.py ARGS...",
+        description="Run an unmodified PyTorch script on neuron and write a migration-readiness report "
+                    "(report.md, report.html, report.json).")
+    p.add_argument("-o", "--output", default="torchneuron-report", help="report folder (default: %(default)s)")
+    p.add_argument("--baseline", metavar="cpu|PATH",
+                   help="'cpu': run the script again on CPU and compare; or a report.json / run JSON of an "
+                        "earlier run")
+    p.add_argument("--steps", type=int, help="stop the script after this many steps")
+    p.add_argument("--timeout", type=float, help="stop the script after this many seconds (per run)")
+    p.add_argument("--warmup", type=int, default=1, help="steps excluded from steady state (default: 1)")
+    p.add_argument("--device-map", action="append", default=[], metavar="SRC=DST",
+                   help="run a script written for SRC on DST, e.g. cuda=neuron (repeatable)")
+    p.add_argument("--rtol", type=float, default=1e-3, help="default relative tolerance of tracked values")
+    p.add_argument("--atol", type=float, default=1e-5, help="default absolute tolerance of tracked values")
+    p.add_argument("--tol", action="append", default=[], metavar="NAME=RTOL[,ATOL]",
+                   help="tolerance of one tracked value (repeatable)")
+    p.add_argument("--warm-start", action="store_true",
+                   help="run a second time in a fresh process with the compile cache of the first "
+                        "(cold vs warm start)")
+    p.add_argument("--no-sync", action="store_true",
+                   help="do not wait for device work at step marks (latencies then measure dispatch only)")
+    p.add_argument("--title", help="report title")
+    p.add_argument("--fail-on", choices=("blocker", "warning", "never"), default="blocker",
+                   help="exit with status 1 when the report has problems of this severity (default: blocker)")
+    p.add_argument("-q", "--quiet", action="store_true", help="do not echo the script's output (logs are kept)")
+    args = p.parse_args(opts)
+    if not command:
+        p.error("give the command to run after --, e.g. torchneuron check -- python train.py")
+
+    from .report import analyze, render
+    from .report.api import load_run
+    from .report.devmap import compose, parse
+
+    try:
+        device_map = parse(args.device_map)
+    except ValueError as err:
+        p.error(str(err))
+    interp, script_argv = _split_command(command)
+    folder = os.path.abspath(args.output)
+    os.makedirs(folder, exist_ok=True)
+    env = dict(os.environ)
+    # The child imports this very torchneuron, whatever the interpreter's own path says.
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    spec = {"role": "neuron", "device_map": device_map, "steps": args.steps, "timeout": args.timeout,
+            "sync": not args.no_sync, "rtol": args.rtol, "atol": args.atol}
+    cache_dir = None
+    if args.warm_start:
+        # Cold must be cold: both runs share a compile cache that starts empty.
+        cache_dir = tempfile.mkdtemp(prefix="compile-cache-", dir=folder)
+        env["TORCHNEURON_CACHE_DIR"] = cache_dir
+    try:
+        run = _run_child("neuron", interp, script_argv, dict(spec), folder, args, env)
+        warm = None
+        if args.warm_start:
+            warm = _run_child("warm", interp, script_argv, dict(spec), folder, args, env)
+        baseline = label = None
+        if args.baseline == "cpu":
+            bspec = dict(spec, role="baseline", device_map=compose(device_map, {"neuron": "cpu"}))
+            baseline = _run_child("baseline", interp, script_argv, bspec, folder, args, env)
+            label = "CPU run of the same script"
+        elif args.baseline:
+            baseline, label = load_run(args.baseline)
+    finally:
+        if cache_dir:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+    options = {k: v for k, v in vars(args).items() if k not in ("quiet",)}
+    report = analyze.build(run, baseline=baseline, warm=warm, warmup=args.warmup,
+                           tolerances=_parse_tolerances(args.tol), title=args.title, baseline_label=label,
+                           options=options)
+    report["command"] = [os.path.basename(interp[0]), *interp[1:], *script_argv]
+    files = render.write(report, folder)
+    v = report["verdict"]
+    print(f"\ntorchneuron check: {v['summary']}", file=sys.stderr)
+    for f in report["findings"]:
+        print(f"  [{f['severity']}] {f['title']}: {f['detail']}", file=sys.stderr)
+    print("report: " + ", ".join(files.values()), file=sys.stderr)
+    if args.fail_on == "never":
+        return 0
+    if v["blockers"] or (args.fail_on == "warning" and v["warnings"]):
+        return 1
+    return 0
+
+
+def env_command(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="torchneuron env", description="Print the version manifest.")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    from .report.env import manifest
+    info = manifest()
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        for k, v in info.items():
+            if isinstance(v, dict):
+                v = ", ".join(f"{a}={b}" for a, b in v.items()) or "–"
+            print(f"{k:22} {v}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = __doc__.strip().split("\n\n")[1]
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0 if argv else 2
+    command = {"check": check, "env": env_command}.get(argv[0])
+    if command is None:
+        print(f"torchneuron: unknown command {argv[0]!r}\n\n{usage}", file=sys.stderr)
+        return 2
+    return command(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

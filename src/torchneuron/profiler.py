@@ -1,0 +1,313 @@
+"""torch.profiler integration and the tracer behind it.
+
+While a ``torch.profiler`` session records, every neuron op, executable compile, CPU fallback and
+host<->device copy appears as a named range (``neuron::<op>``, ``neuron::compile::<op>``,
+``neuron::fallback::<op>``, ``neuron::h2d`` / ``neuron::d2h``) in its traces, and per-op statistics
+are gathered for :func:`summary`.
+
+The same tracer serves the migration-readiness report (call sites of the first call of each op,
+failures, fallback transfer costs). It is installed on ``metrics.tracer`` only while someone needs
+it; otherwise the kernels run their plain code and pay nothing (see ``eager.kernel.set_tracing``).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from .metrics import metrics
+
+__all__ = ["enable", "disable", "reset", "stats", "summary", "is_enabled"]
+
+
+class OpStat:
+    __slots__ = ("calls", "total_ns", "compiles", "compile_ns", "bytes")
+
+    def __init__(self):
+        self.calls = 0
+        self.total_ns = 0
+        self.compiles = 0
+        self.compile_ns = 0
+        self.bytes = 0
+
+
+class Tracer:
+    """Observes kernel calls, compiles, fallbacks and copies for the profiler and the report."""
+
+    def __init__(self):
+        self.collector = None     # the active readiness-report collector, if any
+        self.ranges = False       # a torch.profiler session is recording: emit named ranges
+        self.timing = False       # gather per-op statistics for summary()
+        self.stats: dict[tuple[str, str], OpStat] = {}
+        self._range = None
+
+    # -- what the hooks call --------------------------------------------------------------------
+    def kernel(self, k, call, args, kwargs):
+        name = k.short_name
+        col = self.collector
+        if col is not None and name not in col.native_seen:
+            col.first_call(name, "native")
+        if not self.timing:
+            try:
+                return call(k, *args, **kwargs)
+            except BaseException as err:
+                if col is not None:
+                    col.failed(name, "native", err)
+                raise
+        stat = self._stat(name, "native")
+        rng = self._enter("neuron::" + name) if self.ranges else None
+        start = time.perf_counter_ns()
+        try:
+            return call(k, *args, **kwargs)
+        except BaseException as err:
+            if col is not None:
+                col.failed(name, "native", err)
+            raise
+        finally:
+            stat.calls += 1
+            stat.total_ns += time.perf_counter_ns() - start
+            if rng is not None:
+                rng.__exit__(None, None, None)
+
+    def compile(self, k, compile_fn, args):
+        if not self.timing:
+            return compile_fn(k, *args)
+        stat = self._stat(k.short_name, "native")
+        rng = self._enter("neuron::compile::" + k.short_name) if self.ranges else None
+        start = time.perf_counter_ns()
+        try:
+            return compile_fn(k, *args)
+        finally:
+            stat.compiles += 1
+            stat.compile_ns += time.perf_counter_ns() - start
+            if rng is not None:
+                rng.__exit__(None, None, None)
+
+    def fallback(self, op, run, args, kwargs):
+        """An op without a neuron kernel: ``run(op, *args, **kwargs)`` decomposes it or runs it on CPU.
+
+        Which of the two happened is read from the op's own counters afterwards, so the fallback
+        code needs no knowledge of the tracer beyond the call at its entry.
+        """
+        name = op.name().split("::", 1)[1]
+        col = self.collector
+        rng = self._enter("neuron::fallback::" + name) if self.ranges else None
+        cpu_before = metrics.fallbacks.get(name, 0)
+        dec_before = metrics.decompositions.get(name, 0)
+        copies_before = (metrics.h2d_copies, metrics.h2d_bytes, metrics.d2h_copies, metrics.d2h_bytes)
+        start = time.perf_counter_ns()
+        error = None
+        try:
+            return run(op, *args, **kwargs)
+        except BaseException as err:
+            error = err
+            raise
+        finally:
+            elapsed = time.perf_counter_ns() - start
+            if rng is not None:
+                rng.__exit__(None, None, None)
+            went_cpu = (metrics.fallbacks.get(name, 0) > cpu_before
+                        and metrics.decompositions.get(name, 0) == dec_before)
+            if error is not None and type(error).__name__ == "FallbackError":
+                went_cpu = True    # fallback="error" refused to run it on CPU
+            path = "cpu" if went_cpu else "decomposed"
+            if self.timing:
+                stat = self._stat(name, path)
+                stat.calls += 1
+                stat.total_ns += elapsed
+            if col is not None:
+                if (name, path) not in col.sites:
+                    col.first_call(name, path)
+                if error is not None:
+                    col.failed(name, path, error)
+                elif went_cpu:
+                    after = (metrics.h2d_copies, metrics.h2d_bytes, metrics.d2h_copies, metrics.d2h_bytes)
+                    col.fallback_cost(name, [a - b for a, b in zip(after, copies_before)], elapsed)
+
+    def copy(self, direction, fn, *args):
+        """A host<->device copy; ``direction`` is "h2d" or "d2h"."""
+        col = self.collector
+        counter = "h2d_bytes" if direction == "h2d" else "d2h_bytes"
+        before = getattr(metrics, counter)
+        rng = self._enter("neuron::" + direction) if self.ranges else None
+        start = time.perf_counter_ns()
+        try:
+            return fn(*args)
+        finally:
+            elapsed = time.perf_counter_ns() - start
+            if rng is not None:
+                rng.__exit__(None, None, None)
+            nbytes = getattr(metrics, counter) - before
+            if self.timing:
+                stat = self._stat(direction, "copy")
+                stat.calls += 1
+                stat.total_ns += elapsed
+                stat.bytes += nbytes
+            if col is not None:
+                col.transfer(direction, nbytes)
+
+    def float64(self, op_name):
+        col = self.collector
+        if col is not None and op_name not in col.float64_sites:
+            col.float64(op_name)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _stat(self, name, path):
+        key = (name, path)
+        stat = self.stats.get(key)
+        if stat is None:
+            stat = self.stats[key] = OpStat()
+        return stat
+
+    def _enter(self, name):
+        rng = self._range(name)
+        rng.__enter__()
+        return rng
+
+
+_tracer = Tracer()
+_lock = threading.Lock()
+_explicit = False   # enable() was called: keep timing between profiler sessions
+
+
+def tracer() -> Tracer:
+    return _tracer
+
+
+def update() -> None:
+    """Install the tracer on the metrics registry exactly while something needs it."""
+    from .eager import fallback, kernel  # noqa: F401  (fallback reads metrics.tracer itself)
+
+    t = _tracer
+    needed = t.collector is not None or t.ranges or t.timing
+    if needed and t._range is None:
+        import torch
+        t._range = torch._C._profiler._RecordFunctionFast
+    metrics.tracer = t if needed else None
+    kernel.set_tracing(needed)
+
+
+def attach_collector(collector) -> None:
+    with _lock:
+        if _tracer.collector is not None and collector is not None:
+            raise RuntimeError("torchneuron: a readiness report is already collecting in this process")
+        _tracer.collector = collector
+        update()
+
+
+# -- torch.profiler sessions ----------------------------------------------------------------------
+def _session_started() -> None:
+    with _lock:
+        _tracer.stats = {}
+        _tracer.ranges = True
+        _tracer.timing = True
+        update()
+
+
+def _session_stopped() -> None:
+    with _lock:
+        _tracer.ranges = False
+        _tracer.timing = _explicit
+        update()
+
+
+_hooks_installed = False
+
+
+def install_hooks() -> None:
+    """Follow torch.profiler sessions. Called once by ``torchneuron.register()``.
+
+    PyTorch calls ``torch.autograd.profiler._run_on_profiler_start/stop`` whenever any profiler
+    (``torch.profiler.profile``, ``torch.autograd.profiler.profile``, with or without a schedule)
+    starts or stops recording; wrapping them is the one place that sees every session.
+    """
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    import torch.autograd.profiler as autograd_profiler
+
+    on_start = autograd_profiler._run_on_profiler_start
+    on_stop = autograd_profiler._run_on_profiler_stop
+
+    def run_on_profiler_start():
+        on_start()
+        _session_started()
+
+    def run_on_profiler_stop():
+        on_stop()
+        _session_stopped()
+
+    autograd_profiler._run_on_profiler_start = run_on_profiler_start
+    autograd_profiler._run_on_profiler_stop = run_on_profiler_stop
+    _hooks_installed = True
+
+
+# -- public API -----------------------------------------------------------------------------------
+def enable() -> None:
+    """Gather per-op statistics without a torch.profiler session (no trace ranges)."""
+    global _explicit
+    with _lock:
+        _explicit = True
+        _tracer.timing = True
+        update()
+
+
+def disable() -> None:
+    global _explicit
+    with _lock:
+        _explicit = False
+        _tracer.timing = _tracer.ranges
+        update()
+
+
+def is_enabled() -> bool:
+    return _tracer.timing
+
+
+def reset() -> None:
+    _tracer.stats = {}
+
+
+def stats() -> list[dict]:
+    """Per-op rows of the current or most recent session, slowest first."""
+    rows = []
+    for (name, path), s in list(_tracer.stats.items()):
+        rows.append({
+            "op": name, "path": path, "calls": s.calls,
+            "total_ms": s.total_ns / 1e6,
+            "mean_us": s.total_ns / s.calls / 1e3 if s.calls else 0.0,
+            "compiles": s.compiles, "compile_ms": s.compile_ns / 1e6, "bytes": s.bytes,
+        })
+    rows.sort(key=lambda r: -r["total_ms"])
+    return rows
+
+
+def summary(file=sys.stdout, limit: int | None = None) -> str:
+    """Print (to ``file``; None prints nothing) and return a per-op table of the last session.
+
+    Times are inclusive: a fallback's row includes its copies, an op's row its compile.
+    """
+    rows = stats()
+    if limit is not None:
+        rows = rows[:limit]
+    header = ("op", "path", "calls", "total ms", "mean us", "compiles", "compile ms", "bytes")
+    table = [header] + [
+        (r["op"], r["path"], str(r["calls"]), f"{r['total_ms']:.3f}", f"{r['mean_us']:.1f}",
+         str(r["compiles"]), f"{r['compile_ms']:.3f}", str(r["bytes"]) if r["bytes"] else "")
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = []
+    for n, row in enumerate(table):
+        cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    if not rows:
+        lines.append("(no neuron activity recorded: run a torch.profiler session or "
+                     "torchneuron.profiler.enable() first)")
+    text = "\n".join(lines)
+    if file is not None:
+        print(text, file=file)
+    return text

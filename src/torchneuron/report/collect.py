@@ -1,0 +1,406 @@
+"""Collects what a readiness report needs while the user's program runs.
+
+A :class:`Collector` attaches to the tracer (``torchneuron.profiler``) for call sites, failures and
+fallback costs, marks steps (``torchneuron.step()`` or, failing that, ``optimizer.step()``), keeps
+values the script tracks (``torchneuron.track``) and snapshots the metrics registry at each step.
+``stop()`` returns the run as plain JSON-able data; analysis and rendering never import torch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from collections import Counter
+
+from ..metrics import metrics
+from . import sites
+
+RUN_SCHEMA = "torchneuron.run/1"
+
+# How many elements of a tracked tensor are kept per step (a strided sample beyond that).
+TRACK_LIMIT = 4096
+
+_active: Collector | None = None
+
+
+class BudgetReached(BaseException):
+    """Stops the user's script when its step budget or time budget is used up.
+
+    A BaseException so that the script's own ``except Exception`` blocks do not swallow it.
+    """
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def active() -> Collector | None:
+    return _active
+
+
+def step(samples: int | None = None) -> None:
+    """Mark the end of one training or inference step (a no-op unless a report is collecting).
+
+    ``samples``: how many samples (or tokens) the step processed, for throughput.
+    """
+    col = _active
+    if col is not None:
+        col.mark_step("explicit", samples)
+
+
+def track(name: str, value, *, rtol: float | None = None, atol: float | None = None) -> None:
+    """Record ``value`` (a number or tensor) under ``name`` for comparison with a baseline run.
+
+    ``rtol``/``atol`` set this value's tolerance (defaults: the report's). A no-op, with no device
+    read, unless a report is collecting.
+    """
+    col = _active
+    if col is not None:
+        col.track(name, value, rtol, atol)
+
+
+_LIGHT_SCALARS = ("executables_compiled", "compile_seconds", "cache_hits", "h2d_copies", "h2d_bytes",
+                  "d2h_copies", "d2h_bytes", "graphs_compiled")
+_LIGHT_COUNTERS = ("fallbacks", "decompositions", "recompiles", "graph_breaks", "float64_downcasts",
+                   "graph_fallbacks")
+
+
+def _light_snapshot() -> dict:
+    snap = {k: getattr(metrics, k) for k in _LIGHT_SCALARS}
+    for k in _LIGHT_COUNTERS:
+        snap[k] = dict(getattr(metrics, k))
+    snap["op_calls"] = sum(metrics.op_calls.values())
+    return snap
+
+
+def _delta(after: dict, before: dict) -> dict:
+    out = {}
+    for k, v in after.items():
+        b = before.get(k)
+        if isinstance(v, dict):
+            out[k] = {op: n - (b or {}).get(op, 0) for op, n in v.items() if n - (b or {}).get(op, 0) > 0}
+        else:
+            out[k] = v - (b or 0)
+    return out
+
+
+def counter_delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0) > 0}
+
+
+def _site_key(site):
+    return None if site is None else (site["file"], site["line"], site.get("via"))
+
+
+class Collector:
+    """Everything one run of a program contributes to a report.
+
+    ``role`` is "neuron" for the run under test and "baseline" for the comparison run (which is not
+    traced: nothing of it should touch the device).
+    """
+
+    def __init__(self, *, role: str = "neuron", max_steps: int | None = None, sync: bool = True,
+                 rtol: float = 1e-3, atol: float = 1e-5):
+        self.role = role
+        self.max_steps = max_steps
+        self.sync = sync
+        self.rtol = rtol
+        self.atol = atol
+        self.native_seen: set[str] = set()
+        self.sites: dict[tuple[str, str], dict | None] = {}
+        self.float64_sites: dict[str, dict | None] = {}
+        self.failures: dict[tuple[str, str], dict] = {}
+        self.fallback_costs: dict[str, dict] = {}
+        self.transfers: dict[tuple, dict] = {}
+        self.tracked: dict[str, dict] = {}
+        self.boundaries: list[dict] = []
+        self.explicit_seen = False
+        self.first_optimizer = None
+        self.persistent_cache = Counter()
+        self.t_first_activity = None
+        self.internal = False         # set while the collector itself reads tracked values
+        self._hook = None
+        self.started = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> Collector:
+        global _active
+        if _active is not None:
+            raise RuntimeError("torchneuron: a readiness report is already collecting in this process")
+        import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.wall_start = time.time()
+        self.t_start = time.perf_counter()
+        self.start_snapshot = _light_snapshot()
+        self.start_counters = {k: dict(getattr(metrics, k)) for k in ("op_calls",) + _LIGHT_COUNTERS}
+        self.start_scalars = {k: getattr(metrics, k) for k in _LIGHT_SCALARS}
+        self._hook = register_optimizer_step_post_hook(self._optimizer_stepped)
+        self._listen_to_jax()
+        if self.role == "neuron":
+            from .. import profiler
+            profiler.attach_collector(self)
+            if hasattr(torch, "neuron"):
+                for i in range(torch.neuron.device_count()):
+                    torch.neuron.reset_peak_memory_stats(i)
+        _active = self
+        self.started = True
+        return self
+
+    def stop(self) -> dict:
+        """Detach and return the run's data (safe to call once; later calls return the same)."""
+        global _active
+        if getattr(self, "_data", None) is not None:
+            return self._data
+        t_end = time.perf_counter()
+        if _active is self:
+            _active = None
+        if self._hook is not None:
+            self._hook.remove()
+        if self.role == "neuron":
+            from .. import profiler
+            profiler.attach_collector(None)
+        self._jax_listening = False
+        self._data = self._build(t_end)
+        return self._data
+
+    # -- tracer callbacks (neuron role) ---------------------------------------------------------
+    def first_call(self, name: str, path: str) -> None:
+        if self.internal:
+            return
+        if self.t_first_activity is None:
+            self.t_first_activity = time.perf_counter()
+        if path == "native":
+            self.native_seen.add(name)
+        self.sites[(name, path)] = sites.user_site()
+
+    def failed(self, name: str, path: str, err: BaseException) -> None:
+        if isinstance(err, BudgetReached | KeyboardInterrupt) or getattr(err, "_torchneuron_attributed", False):
+            return
+        try:
+            err._torchneuron_attributed = True   # the innermost op owns the failure
+        except AttributeError:
+            pass
+        key = (name, path)
+        entry = self.failures.get(key)
+        if entry is None:
+            self.failures[key] = {"op": name, "path": path, "count": 1, "error_type": type(err).__name__,
+                                  "error": str(err).strip()[:2000], "site": sites.user_site()}
+        else:
+            entry["count"] += 1
+
+    def fallback_cost(self, name: str, copies: list[int], elapsed_ns: int) -> None:
+        entry = self.fallback_costs.setdefault(name, {"calls": 0, "h2d_copies": 0, "h2d_bytes": 0,
+                                                      "d2h_copies": 0, "d2h_bytes": 0, "seconds": 0.0})
+        entry["calls"] += 1
+        entry["h2d_copies"] += copies[0]
+        entry["h2d_bytes"] += copies[1]
+        entry["d2h_copies"] += copies[2]
+        entry["d2h_bytes"] += copies[3]
+        entry["seconds"] += elapsed_ns / 1e9
+
+    def transfer(self, direction: str, nbytes: int) -> None:
+        if self.internal:
+            return
+        if self.t_first_activity is None:
+            self.t_first_activity = time.perf_counter()
+        site = sites.user_site()
+        key = (direction, _site_key(site))
+        entry = self.transfers.get(key)
+        if entry is None:
+            entry = self.transfers[key] = {"direction": direction, "site": site, "count": 0, "bytes": 0}
+        entry["count"] += 1
+        entry["bytes"] += nbytes
+
+    def float64(self, name: str) -> None:
+        self.float64_sites[name] = sites.user_site()
+
+    # -- steps ----------------------------------------------------------------------------------
+    def _optimizer_stepped(self, optimizer, args, kwargs) -> None:
+        # With several optimizers per iteration, the first one to step defines the iteration.
+        if self.first_optimizer is None:
+            self.first_optimizer = id(optimizer)
+        if id(optimizer) == self.first_optimizer:
+            self.mark_step("optimizer", None)
+
+    def mark_step(self, source: str, samples) -> None:
+        if source == "optimizer" and self.explicit_seen:
+            return
+        if source == "explicit" and not self.explicit_seen:
+            self.explicit_seen = True
+        if self.sync and self.role == "neuron":
+            import torch
+            # Device work runs asynchronously; a step ends when its work has finished.
+            torch.neuron.synchronize()
+        t = time.perf_counter()
+        mem = None
+        if self.role == "neuron":
+            import torch
+            mem = torch.neuron.memory_allocated()
+        self.boundaries.append({"t": t, "source": source, "samples": samples, "snap": _light_snapshot(),
+                                "memory": mem})
+        if self.max_steps is not None:
+            counted = sum(1 for b in self.boundaries if b["source"] == source)
+            if counted >= self.max_steps:
+                raise BudgetReached("steps")
+
+    def current_step(self) -> int:
+        source = "explicit" if self.explicit_seen else "optimizer"
+        return sum(1 for b in self.boundaries if b["source"] == source)
+
+    # -- tracked values -------------------------------------------------------------------------
+    def track(self, name: str, value, rtol, atol) -> None:
+        values, shape = self._host_values(value)
+        entry = self.tracked.get(name)
+        if entry is None:
+            entry = self.tracked[name] = {"shape": shape, "rtol": rtol, "atol": atol, "steps": [],
+                                          "values": []}
+        if rtol is not None:
+            entry["rtol"] = rtol
+        if atol is not None:
+            entry["atol"] = atol
+        entry["steps"].append(self.current_step())
+        entry["values"].append(values)
+
+    def _host_values(self, value):
+        import torch
+        if isinstance(value, torch.Tensor):
+            t = value.detach()
+            shape = list(t.shape)
+            if t.device.type != "cpu":
+                # The report's own read must not count as the script's traffic.
+                saved = (metrics.d2h_copies, metrics.d2h_bytes)
+                self.internal = True
+                try:
+                    t = t.reshape(1).cpu() if t.dim() == 0 else t.cpu()
+                finally:
+                    self.internal = False
+                    metrics.d2h_copies, metrics.d2h_bytes = saved
+            flat = t.reshape(-1)
+            if flat.numel() > TRACK_LIMIT:
+                stride = math.ceil(flat.numel() / TRACK_LIMIT)
+                flat = flat[::stride]
+            if flat.is_complex():
+                flat = flat.abs()
+            return [float(x) for x in flat.to(torch.float64).tolist()], shape
+        if isinstance(value, bool | int | float):
+            return [float(value)], []
+        try:
+            import numpy as np
+            arr = np.asarray(value, dtype=np.float64).reshape(-1)
+            return [float(x) for x in arr[: TRACK_LIMIT]], list(np.shape(value))
+        except (TypeError, ValueError):
+            raise TypeError(f"torchneuron.track({value!r}): expected a number, tensor or array") from None
+
+    # -- jax persistent compilation cache -------------------------------------------------------
+    def _listen_to_jax(self) -> None:
+        self._jax_listening = True
+        try:
+            from jax import monitoring
+        except ImportError:
+            return
+
+        def on_event(event, **kwargs):
+            if self._jax_listening and event.startswith("/jax/compilation_cache/"):
+                self.persistent_cache[event.rsplit("/", 1)[1]] += 1
+
+        def on_duration(event, duration, **kwargs):
+            if self._jax_listening and event == "/jax/compilation_cache/compile_time_saved_sec":
+                self.persistent_cache["seconds_saved"] += duration
+
+        monitoring.register_event_listener(on_event)
+        monitoring.register_event_duration_secs_listener(on_duration)
+
+    # -- the run as data ------------------------------------------------------------------------
+    def _build(self, t_end: float) -> dict:
+        end_snapshot = _light_snapshot()
+        source = "explicit" if self.explicit_seen else ("optimizer" if self.boundaries else None)
+        bounds = [b for b in self.boundaries if b["source"] == source]
+        steps = []
+        prev_t = self.t_start
+        if self.t_first_activity is not None and bounds and self.t_first_activity < bounds[0]["t"]:
+            prev_t = self.t_first_activity
+        prev_snap = self.start_snapshot
+        for b in bounds:
+            d = _delta(b["snap"], prev_snap)
+            steps.append({
+                "seconds": b["t"] - prev_t,
+                "samples": b["samples"],
+                "memory": b["memory"],
+                "compiles": d["executables_compiled"],
+                "compile_seconds": d["compile_seconds"],
+                "cache_hits": d["cache_hits"],
+                "graphs_compiled": d["graphs_compiled"],
+                "recompiles": sum(d["recompiles"].values()),
+                "graph_breaks": sum(d["graph_breaks"].values()),
+                "fallbacks": d["fallbacks"],
+                "h2d_copies": d["h2d_copies"], "h2d_bytes": d["h2d_bytes"],
+                "d2h_copies": d["d2h_copies"], "d2h_bytes": d["d2h_bytes"],
+                "ops": d["op_calls"],
+            })
+            prev_t, prev_snap = b["t"], b["snap"]
+        after = _delta(end_snapshot, prev_snap) if bounds else None
+
+        counters = {k: counter_delta(dict(getattr(metrics, k)), self.start_counters[k])
+                    for k in ("op_calls",) + _LIGHT_COUNTERS}
+        totals = {k: getattr(metrics, k) - self.start_scalars[k] for k in _LIGHT_SCALARS}
+        totals.update(counters)
+
+        memory = None
+        if self.role == "neuron":
+            import torch
+            n = torch.neuron.device_count()
+            memory = {"devices": [{"index": i, "peak_bytes": torch.neuron.max_memory_allocated(i),
+                                   "allocated_bytes": torch.neuron.memory_allocated(i)} for i in range(n)]}
+
+        tracked = {}
+        for name, e in self.tracked.items():
+            tracked[name] = {"shape": e["shape"], "rtol": e["rtol"], "atol": e["atol"],
+                             "steps": e["steps"], "values": e["values"]}
+
+        return {
+            "schema": RUN_SCHEMA,
+            "role": self.role,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.wall_start)),
+            "seconds": t_end - self.t_start,
+            "first_activity_seconds": (self.t_first_activity - self.t_start)
+            if self.t_first_activity is not None else None,
+            "step_source": source,
+            "steps": steps,
+            "after_steps": after,
+            "metrics": totals,
+            "sites": [{"op": op, "path": path, "site": site} for (op, path), site in self.sites.items()],
+            "float64_sites": self.float64_sites,
+            "failures": list(self.failures.values()),
+            "fallback_costs": self.fallback_costs,
+            "transfers": sorted(self.transfers.values(), key=lambda e: -e["bytes"]),
+            "tracked": tracked,
+            "tolerance": {"rtol": self.rtol, "atol": self.atol},
+            "memory": memory,
+            "persistent_cache": dict(self.persistent_cache),
+        }
+
+
+def describe_exception(err: BaseException) -> dict:
+    return {
+        "type": type(err).__name__,
+        "message": str(err).strip()[:4000],
+        "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))[-8000:],
+        "site": _exception_site(err),
+    }
+
+
+def _exception_site(err: BaseException):
+    tb = err.__traceback__
+    found = None
+    while tb is not None:
+        if not sites.internal(tb.tb_frame.f_code.co_filename):
+            found = tb
+        tb = tb.tb_next
+    if found is None:
+        return None
+    frame = found.tb_frame
+    import linecache
+    return {"file": frame.f_code.co_filename, "line": found.tb_lineno, "function": frame.f_code.co_name,
+            "code": linecache.getline(frame.f_code.co_filename, found.tb_lineno).strip()}

@@ -1,0 +1,98 @@
+"""Call sites: the first stack frame in the user's own code (outside torch, torchneuron, jax, stdlib)."""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import sysconfig
+import threading
+
+_packages: tuple[str, ...] | None = None
+_stdlib: tuple[str, ...] = ()
+_is_internal: dict[str, bool] = {}
+
+
+def _init() -> None:
+    global _packages, _stdlib
+    dirs = {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}   # torchneuron
+    for mod in ("torch", "jax", "jaxlib", "numpy", "ml_dtypes", "functorch"):
+        m = sys.modules.get(mod)
+        if m is not None and getattr(m, "__file__", None):
+            dirs.add(os.path.dirname(os.path.abspath(m.__file__)))
+    _packages = tuple(d + os.sep for d in dirs)
+    paths = sysconfig.get_paths()
+    _stdlib = tuple({os.path.abspath(paths[k]) + os.sep for k in ("stdlib", "platstdlib") if paths.get(k)})
+
+
+def internal(filename: str) -> bool:
+    """True for frames of torch, torchneuron, jax, numpy and the standard library."""
+    hit = _is_internal.get(filename)
+    if hit is None:
+        if _packages is None:
+            _init()
+        if filename.startswith("<"):
+            hit = filename.startswith("<frozen")
+        else:
+            path = os.path.abspath(filename)
+            hit = path.startswith(_packages) or (
+                path.startswith(_stdlib) and "site-packages" not in path and "dist-packages" not in path)
+        _is_internal[filename] = hit
+    return hit
+
+
+def _describe(frame, via: str | None) -> dict:
+    code = frame.f_code
+    line = frame.f_lineno
+    filename = code.co_filename
+    shown = filename
+    try:
+        rel = os.path.relpath(filename)
+        if not rel.startswith(".."):
+            shown = rel
+    except ValueError:
+        pass
+    site = {
+        "file": shown,
+        "line": line,
+        "function": code.co_name,
+        "code": linecache.getline(filename, line).strip(),
+    }
+    if via:
+        site["via"] = via
+    return site
+
+
+def _walk(frame):
+    while frame is not None:
+        if not internal(frame.f_code.co_filename):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def user_site(skip: int = 1) -> dict | None:
+    """Where the user's code called into torch, as {file, line, function, code[, via]}.
+
+    Ops run by the autograd engine execute on its own thread, which has no Python caller: they are
+    attributed to the main thread's current user frame (the ``loss.backward()`` line).
+    """
+    frame = _walk(sys._getframe(skip))
+    if frame is not None:
+        return _describe(frame, None)
+    main = threading.main_thread()
+    if threading.current_thread() is not main:
+        main_frame = sys._current_frames().get(main.ident)
+        frame = _walk(main_frame)
+        if frame is not None:
+            return _describe(frame, "autograd backward")
+    return None
+
+
+def format_site(site: dict | None) -> str:
+    if not site:
+        return "(no user frame)"
+    text = f"{site['file']}:{site['line']} in {site['function']}"
+    if site.get("via"):
+        text += f" ({site['via']})"
+    return text
