@@ -235,6 +235,7 @@ def _kernel_table() -> dict:
     table["empty.memory_format"] = empty_memory_format
     table["empty_strided.default"] = empty_strided
     table["copy_.default"] = transfers.copy_
+    table["_to_copy.default"] = transfers.to_copy
     table["_copy_from.default"] = lambda self, dst, non_blocking=False: transfers.copy_(dst, self, non_blocking)
     table["_local_scalar_dense.default"] = transfers.local_scalar_dense
     table["resize_.default"] = resize_

@@ -129,6 +129,24 @@ def _device_copy(dst, src):
     return _copy_kernel(dst, src)
 
 
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+def to_copy(self: torch.Tensor, *, dtype=None, layout=None, device=None, pin_memory=None,
+            non_blocking=False, memory_format=None) -> torch.Tensor:
+    """``aten::_to_copy`` for neuron tensors: PyTorch's composite kernel, minus pinned memory.
+
+    ``.to("cpu", non_blocking=True)`` makes the composite kernel allocate a pinned host buffer,
+    which needs a C++ PrivateUse1 hook a Python backend cannot provide. Reads back to the host are
+    synchronous here, so the copy simply runs blocking (DCP and data loaders use this form).
+    """
+    to_host_device = device is not None and torch.device(device).type == "cpu"
+    return torch.ops.aten._to_copy.default.redispatch(
+        _CPU_KEYS, self, dtype=dtype, layout=layout, device=device,
+        pin_memory=False if to_host_device else pin_memory,
+        non_blocking=False if to_host_device else non_blocking, memory_format=memory_format)
+
+
 def local_scalar_dense(t: torch.Tensor):
     value = to_host(t).reshape(()).item()
     if t.dtype.is_floating_point:
