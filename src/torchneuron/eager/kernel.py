@@ -16,6 +16,7 @@ Type promotion, in-place and ``out=`` variants live here, once, for every op.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import warnings
@@ -233,8 +234,12 @@ class Kernel:
         promote_dtype = None
         if self.promote_idx is not None:
             promote_dtype = self._promotion_dtype(values, new_meta, meta_out)
-        fn = _Traced(self, specs, values, out_specs, write_targets, writes, promote_dtype, ctx)
-        jitted = jax.jit(fn)
+        traced = _Traced(self, specs, values, out_specs, write_targets, writes, promote_dtype, ctx)
+
+        def run(*flat):  # a plain function: jit's dispatch is slower for callable objects
+            return traced(*flat)
+
+        jitted = jax.jit(run)
         # The first call traces and compiles; later calls take jit's C++ dispatch fast path
         # (a Compiled object's own __call__ is a much slower Python path).
         start = time.perf_counter()
@@ -311,7 +316,7 @@ class _KeyContext:
             addr = t.untyped_storage().data_ptr()
         except AttributeError:
             # The dispatcher hands "wrapped numbers" (x * 2) to Python kernels as plain scalars.
-            self.runtime.append(t)
+            self.runtime.append(scalar_array(t))
             return type(t)
         rec = _records.get(addr)
         if rec is None:
@@ -342,8 +347,23 @@ class _KeyContext:
     def scalar(self, v):
         if isinstance(v, torch.Tensor):
             return self.tensor(v)
-        self.runtime.append(v)
+        self.runtime.append(scalar_array(v))
         return type(v)
+
+
+_scalar_arrays: dict = {}
+
+
+def scalar_array(v):
+    """A Python scalar as a (weakly typed) device array, cached by value: jit dispatch converts a
+    Python number on every call, while an existing array goes straight through."""
+    key = (v.__class__, v, v.__class__ is float and math.copysign(1.0, v) < 0)
+    arr = _scalar_arrays.get(key)
+    if arr is None:
+        if v != v or len(_scalar_arrays) > 4096:  # NaN never hits a dict; keep the cache bounded
+            return v
+        arr = _scalar_arrays[key] = jnp.asarray(v)
+    return arr
 
 
 def _view_spec(t, ctx):
@@ -365,7 +385,10 @@ class _Traced:
     def __init__(self, kernel, specs, values, out_specs, write_targets, writes, promote_dtype, ctx):
         self.kernel = kernel
         self.specs = specs
-        self.values = values
+        # Only static arguments are kept: the cache entry must not keep the first call's tensors
+        # (and their device memory) alive.
+        dynamic = set(kernel.dynamic)
+        self.values = [None if i in dynamic else v for i, v in enumerate(values)]
         self.out_specs = out_specs
         self.write_targets = write_targets
         self.writes = writes

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import struct
 import threading
 
 import jax.numpy as jnp
@@ -52,6 +53,12 @@ _DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
 _DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
                              ("deleter", _DELETER)]
 
+# DLManagedTensor as packed bytes: data, device (type, id), ndim, dtype (code, bits, lanes),
+# shape*, strides*, byte_offset, manager_ctx, deleter — 64 bytes on 64-bit platforms.
+_HEADER_FMT = "=QiiiBBHQQQQQ"
+_HEADER = struct.calcsize(_HEADER_FMT)
+assert _HEADER == ctypes.sizeof(_DLManagedTensor) == 64
+
 _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = ctypes.py_object
 _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
@@ -87,9 +94,8 @@ class _Allocator:
 
     def _on_free(self, managed_ptr) -> None:
         try:
-            addr = ctypes.addressof(managed_ptr.contents)
-            struct, _shape, _strides = self._live_structs.pop(addr)
-            record = self.records.pop(struct.dl_tensor.data)
+            _raw, data = self._live_structs.pop(ctypes.cast(managed_ptr, ctypes.c_void_p).value)
+            record = self.records.pop(data)
             self.allocated[record.device_index] -= record.nbytes
             self.num_frees += 1
             record.buf = None
@@ -118,26 +124,22 @@ class _Allocator:
             if used > self.peak.get(device_index, 0):
                 self.peak[device_index] = used
         self.records[addr] = StorageRecord(storage_nbytes, dtype, device_index, buf)
-        m = _DLManagedTensor()
+        # One packed ctypes buffer holds the DLManagedTensor followed by its shape and strides.
         nd = len(dl_sizes)
-        shape_arr = (ctypes.c_int64 * max(nd, 1))(*dl_sizes)
-        stride_arr = (ctypes.c_int64 * max(nd, 1))(*dl_strides)
-        t = m.dl_tensor
-        t.data = addr
-        t.device = _DLDevice(_KDL_EXT_DEV, device_index)
-        t.ndim = nd
-        t.dtype = _DLDataType(code, bits, 1)
-        t.shape = shape_arr
-        t.strides = stride_arr
-        m.deleter = _deleter
-        self._live_structs[ctypes.addressof(m)] = (m, shape_arr, stride_arr)
-        tensor = torch.utils.dlpack.from_dlpack(_capsule_new(ctypes.addressof(m), b"dltensor", None))
+        raw = ctypes.create_string_buffer(_HEADER + 16 * nd)
+        base = ctypes.addressof(raw)
+        struct.pack_into(_HEADER_FMT + f"{nd}q{nd}q", raw, 0, addr, _KDL_EXT_DEV, device_index, nd, code,
+                         bits, 1, base + _HEADER, base + _HEADER + 8 * nd, 0, 0, _DELETER_ADDRESS,
+                         *dl_sizes, *dl_strides)
+        self._live_structs[base] = (raw, addr)
+        tensor = _from_dlpack(_capsule_new(base, b"dltensor", None))
         if flat:
             tensor = _AS_STRIDED(_CPU_KEYS, tensor, list(sizes), list(strides), 0)
         return tensor
 
 
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_from_dlpack = torch._C._from_dlpack
 _AS_STRIDED = torch.ops.aten.as_strided.default.redispatch
 
 
@@ -151,6 +153,7 @@ def _deleter(managed_ptr):
 
 # The ctypes callback must outlive every storage, including those freed at interpreter exit.
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_deleter))
+_DELETER_ADDRESS = ctypes.cast(_deleter, ctypes.c_void_p).value
 
 
 def storage_address(t: torch.Tensor) -> int:
