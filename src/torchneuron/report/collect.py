@@ -137,7 +137,7 @@ class Collector:
         self.start_counters = {k: dict(getattr(metrics, k)) for k in ("op_calls",) + _LIGHT_COUNTERS}
         self.start_scalars = {k: getattr(metrics, k) for k in _LIGHT_SCALARS}
         self._hook = register_optimizer_step_post_hook(self._optimizer_stepped)
-        self._listen_to_jax()
+        _listen_to_jax()
         if self.role == "neuron":
             from .. import profiler
             profiler.attach_collector(self)
@@ -161,7 +161,6 @@ class Collector:
         if self.role == "neuron":
             from .. import profiler
             profiler.attach_collector(None)
-        self._jax_listening = False
         self._data = self._build(t_end)
         return self._data
 
@@ -293,25 +292,6 @@ class Collector:
         except (TypeError, ValueError):
             raise TypeError(f"torchneuron.track({value!r}): expected a number, tensor or array") from None
 
-    # -- jax persistent compilation cache -------------------------------------------------------
-    def _listen_to_jax(self) -> None:
-        self._jax_listening = True
-        try:
-            from jax import monitoring
-        except ImportError:
-            return
-
-        def on_event(event, **kwargs):
-            if self._jax_listening and event.startswith("/jax/compilation_cache/"):
-                self.persistent_cache[event.rsplit("/", 1)[1]] += 1
-
-        def on_duration(event, duration, **kwargs):
-            if self._jax_listening and event == "/jax/compilation_cache/compile_time_saved_sec":
-                self.persistent_cache["seconds_saved"] += duration
-
-        monitoring.register_event_listener(on_event)
-        monitoring.register_event_duration_secs_listener(on_duration)
-
     # -- the run as data ------------------------------------------------------------------------
     def _build(self, t_end: float) -> dict:
         end_snapshot = _light_snapshot()
@@ -380,6 +360,34 @@ class Collector:
             "memory": memory,
             "persistent_cache": dict(self.persistent_cache),
         }
+
+
+_jax_listening = False
+
+
+def _listen_to_jax() -> None:
+    """Count JAX persistent compilation cache hits/misses for whichever collector is active."""
+    global _jax_listening
+    if _jax_listening:
+        return
+    _jax_listening = True
+    try:
+        from jax import monitoring
+    except ImportError:
+        return
+
+    def on_event(event, **kwargs):
+        col = _active
+        if col is not None and event.startswith("/jax/compilation_cache/"):
+            col.persistent_cache[event.rsplit("/", 1)[1]] += 1
+
+    def on_duration(event, duration, **kwargs):
+        col = _active
+        if col is not None and event == "/jax/compilation_cache/compile_time_saved_sec":
+            col.persistent_cache["seconds_saved"] += duration
+
+    monitoring.register_event_listener(on_event)
+    monitoring.register_event_duration_secs_listener(on_duration)
 
 
 def describe_exception(err: BaseException) -> dict:

@@ -67,10 +67,11 @@ def main(argv: list[str] | None = None) -> int:
                                   rtol=spec.get("rtol", 1e-3), atol=spec.get("atol", 1e-5))
 
     timeout = spec.get("timeout")
+    previous_handler = None
     if timeout:
         def on_alarm(signum, frame):
             raise collect.BudgetReached("timeout")
-        signal.signal(signal.SIGALRM, on_alarm)
+        previous_handler = signal.signal(signal.SIGALRM, on_alarm)
         signal.setitimer(signal.ITIMER_REAL, float(timeout))
 
     status = {"outcome": "completed", "reason": None, "exit_code": 0, "error": None}
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if timeout:
             signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous_handler)
     status["wall_seconds"] = time.perf_counter() - start
     data = collector.stop()
     if devmap is not None:
