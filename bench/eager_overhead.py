@@ -48,25 +48,27 @@ def cases():
     ]
 
 
+def measure(cpu_args, torch_fn, jax_fn, calls, repeats):
+    """(neuron us, cpu us, jax-floor us) per call of one op."""
+    neuron_args = tuple(t.to("neuron") for t in cpu_args)
+    cpu_us = _median_us(lambda: torch_fn(*cpu_args), calls, repeats, lambda: None)
+    neu_us = _median_us(lambda: torch_fn(*neuron_args), calls, repeats, torch.neuron.synchronize)
+    if jax_fn is None:  # in-place: the floor is the functional update of the same buffer
+        jax_fn = lambda x, y: x + y  # noqa: E731
+    jitted = jax.jit(jax_fn)
+    jax_args = tuple(jnp.asarray(t.numpy()) for t in cpu_args)
+    jax_us = _median_us(lambda: jitted(*jax_args), calls, repeats,
+                        lambda: jax.block_until_ready(jitted(*jax_args)))
+    return neu_us, cpu_us, jax_us
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
-    rows = []
-    for name, cpu_args, torch_fn, jax_fn in cases():
-        neuron_args = tuple(t.to("neuron") for t in cpu_args)
-        cpu_us = _median_us(lambda: torch_fn(*cpu_args), args.calls, args.repeats, lambda: None)
-        neu_us = _median_us(lambda: torch_fn(*neuron_args), args.calls, args.repeats, torch.neuron.synchronize)
-        if jax_fn is None:  # in-place: the floor is the functional update of the same buffer
-            jax_fn = lambda x, y: x + y  # noqa: E731
-        jitted = jax.jit(jax_fn)
-        jax_args = tuple(jnp.asarray(t.numpy()) for t in cpu_args)
-        last = []
-        jax_us = _median_us(lambda: last.append(jitted(*jax_args)) or last.pop(), args.calls, args.repeats,
-                            lambda: jax.block_until_ready(jitted(*jax_args)))
-        rows.append((name, neu_us, cpu_us, jax_us))
+    rows = [(case[0], *measure(*case[1:], args.calls, args.repeats)) for case in cases()]
 
     print(f"{'op':22} {'neuron us':>10} {'cpu us':>8} {'jax us':>8} {'neuron/cpu':>11} {'overhead us':>12}")
     for name, neu, cpu, floor in rows:

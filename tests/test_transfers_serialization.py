@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import torchneuron
+
 from conftest import assert_same
 
 

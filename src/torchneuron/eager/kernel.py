@@ -265,6 +265,9 @@ class Kernel:
                 return self.overload(*pos, **kw)
         except NotImplementedError:
             return self._shape_from_lowering(values)
+        except (RuntimeError, IndexError, ValueError, TypeError) as err:
+            # PyTorch's own shape/dtype check failed: keep its message, add the op and inputs.
+            raise type(err)(f"{err}\n[torchneuron] in aten::{self.short_name}{_describe(values)}") from None
 
     def _shape_from_lowering(self, values):
         # No meta kernel: ask JAX for the output shapes of the lowering itself.

@@ -105,7 +105,6 @@ class _Allocator:
     def new_tensor(self, sizes, strides, dtype: torch.dtype, device_index: int, buf=None,
                    storage_nbytes: int | None = None) -> torch.Tensor:
         """A neuron tensor with the given layout on a fresh storage holding ``buf``."""
-        ndim = len(sizes)
         extent = 0 if any(s == 0 for s in sizes) else 1 + sum((s - 1) * st for s, st in zip(sizes, strides))
         if storage_nbytes is None:
             storage_nbytes = extent * dtype.itemsize

@@ -40,7 +40,26 @@ def _storage_neuron(self, device=None, non_blocking=False, **kwargs):
                non_blocking)
 
 
+_base_new = torch._C.StorageBase.__new__
+
+
+def _untyped_storage_new(cls, *args, device=None, **kwargs):
+    # torch.UntypedStorage(n, device="neuron") would reach a C++ allocator that does not exist
+    # (and crash the process): build the storage through the DLPack allocator instead.
+    if device is not None and torch.device(device).type == "neuron":
+        if len(args) != 1 or not isinstance(args[0], int) or kwargs:
+            raise RuntimeError("torchneuron: UntypedStorage(...) on neuron supports only a size in bytes; "
+                               "create a tensor with torch.empty(..., device='neuron') instead")
+        index = torch.device(device).index
+        index = torch.neuron.current_device() if index is None else index
+        return memory.allocator.new_tensor((args[0],), (1,), torch.uint8, index).untyped_storage()
+    if device is not None:
+        kwargs["device"] = device
+    return _base_new(cls, *args, **kwargs)
+
+
 def install() -> None:
+    torch.UntypedStorage.__new__ = _untyped_storage_new
     torch.storage._to = _to
     torch.storage._StorageBase.neuron = _storage_neuron
     torch.storage.UntypedStorage.neuron = _storage_neuron
