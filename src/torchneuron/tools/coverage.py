@@ -1,0 +1,387 @@
+"""ATen coverage of the neuron device: ``python -m torchneuron.tools.coverage``.
+
+Two measurements go into ``docs/coverage.md``:
+
+1. **Core ATen IR**, statically: for every overload tagged ``core``, whether neuron runs it
+   natively (a lowering, a host kernel, or a backend-independent metadata kernel), through a
+   PyTorch decomposition into lowered ops, or on the CPU fallback.
+2. **The OpInfo sweep**: PyTorch's OpInfo database run on neuron against CPU by the harness in
+   ``tests/opinfo`` (the same code ``pytest -m slow tests/opinfo`` runs). Per entry: native /
+   decomposed / CPU fallback / failing, and totals against the targets.
+
+The sweep appends one JSON line per sample to ``--results`` (default
+``build/coverage/results.jsonl``) so it can be resumed (``--resume``), split over processes
+(``--jobs``), or re-rendered without running anything (``--render-only``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+DEFAULT_RESULTS = REPO / "build" / "coverage" / "results.jsonl"
+DEFAULT_OUTPUT = REPO / "docs" / "coverage.md"
+STATUSES = ("native", "fallback", "expected", "fail")
+
+
+# -- the OpInfo sweep -------------------------------------------------------------------------------
+def _harness(tests_dir: Path):
+    sys.path.insert(0, str(tests_dir))
+    from opinfo import harness  # lives with the tests, imported on demand
+    return harness
+
+
+def _enable_jax_cache():
+    """Re-sweeps reuse compiled executables through JAX's persistent cache."""
+    import jax
+    path = os.environ.get("TORCHNEURON_COVERAGE_JAX_CACHE",
+                          str(Path.home() / ".cache" / "torchneuron" / "opinfo-jax"))
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _tasks(harness, ops, checks, dtypes):
+    import torch
+    tasks = []
+    for name, op in harness.OPS.items():
+        if ops and not any(p == name or (p.endswith("*") and name.startswith(p[:-1])) for p in ops):
+            continue
+        for check in checks:
+            for dtype in harness.dtypes_for(op, check):
+                dname = str(dtype).replace("torch.", "")
+                if dtypes and dname not in dtypes:
+                    continue
+                tasks.append((name, getattr(torch, dname), check))
+    return tasks
+
+
+def _done(path: Path) -> set:
+    done = set()
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if r.get("index") == "done":
+                done.add((r["op"], r["dtype"], r["check"]))
+    return done
+
+
+def sweep(args) -> None:
+    harness = _harness(Path(args.tests_dir))
+    if not args.no_jax_cache:
+        _enable_jax_cache()
+    import torchneuron
+    torchneuron.config.fallback = "silent"
+    tasks = _tasks(harness, args.ops, args.checks, args.dtypes)
+    if args.shard:
+        i, n = (int(x) for x in args.shard.split("/"))
+        tasks = tasks[i::n]
+    results = Path(args.results)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    done = _done(results) if args.resume else set()
+    if not args.resume and not args.shard and results.exists():
+        results.unlink()
+    with results.open("a") as f:
+        for name, dtype, check in tasks:
+            dname = str(dtype).replace("torch.", "")
+            if (name, dname, check) in done:
+                continue
+            start = time.perf_counter()
+            counts = Counter()
+            try:
+                for r in harness.run(harness.OPS[name], dtype, check, limit=args.limit):
+                    f.write(json.dumps(r.as_dict()) + "\n")
+                    counts[r.status] += 1
+            finally:
+                harness.clear_caches()
+            f.write(json.dumps({"op": name, "dtype": dname, "check": check, "index": "done",
+                                "seconds": round(time.perf_counter() - start, 2)}) + "\n")
+            f.flush()
+            if not args.quiet:
+                print(f"{name:55s} {dname:9s} {check:7s} {dict(counts)} "
+                      f"{time.perf_counter() - start:.1f}s", flush=True)
+
+
+def sweep_parallel(args) -> None:
+    """``--jobs N``: N worker processes, each sweeping a shard into its own results file."""
+    results = Path(args.results)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i in range(args.jobs):
+        cmd = [sys.executable, "-m", "torchneuron.tools.coverage", "--sweep-only", "--shard",
+               f"{i}/{args.jobs}", "--results", f"{results}.{i}", "--tests-dir", str(args.tests_dir),
+               "--checks", *args.checks]
+        if args.ops:
+            cmd += ["--ops", *args.ops]
+        if args.dtypes:
+            cmd += ["--dtypes", *args.dtypes]
+        if args.limit is not None:
+            cmd += ["--limit", str(args.limit)]
+        if args.resume:
+            cmd.append("--resume")
+        elif Path(f"{results}.{i}").exists():
+            Path(f"{results}.{i}").unlink()
+        if args.quiet:
+            cmd.append("--quiet")
+        procs.append(subprocess.Popen(cmd))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"coverage: a sweep worker failed: exit codes {codes}")
+
+
+def load_results(path: Path) -> list[dict]:
+    rows = {}
+    files = [path] + sorted(path.parent.glob(path.name + ".*"))
+    for p in files:
+        if not p.exists():
+            continue
+        for line in p.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if r.get("index") == "done":
+                continue
+            rows[(r["op"], r["dtype"], r["check"], r["index"])] = r
+    return list(rows.values())
+
+
+# -- Core ATen IR, statically -----------------------------------------------------------------------
+def core_aten() -> list[dict]:
+    import torch
+    from torch._decomp import decomposition_table
+
+    import torchneuron  # noqa: F401  (registers the kernels)
+    from torchneuron.eager import registration
+    from torchneuron.ops import registry
+
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    rows = []
+    for packet_name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, packet_name, None)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for ov in packet.overloads():
+            op = getattr(packet, ov)
+            if torch.Tag.core not in op.tags:
+                continue
+            key = registration._key(op)
+            name = op.name()
+            if key in registry.LOWERINGS and not registry.LOWERINGS[key].graph_only:
+                how, status = "lowering", "native"
+            elif has_kernel(name, "PrivateUse1"):
+                how, status = "neuron kernel", "native"
+            elif _backend_independent(name):
+                how, status = "backend-independent kernel", "native"
+            elif op in decomposition_table:
+                how, status = "decomposition", "decomposed"
+            else:
+                how, status = "none", "CPU fallback"
+            rows.append({"op": key, "status": status, "how": how})
+    return sorted(rows, key=lambda r: r["op"])
+
+
+def _backend_independent(name: str) -> bool:
+    import torch
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return (has(name, "CompositeExplicitAutograd") or has(name, "CompositeExplicitAutogradNonFunctional")
+            or has(name, "CompositeImplicitAutograd"))
+
+
+# -- rendering --------------------------------------------------------------------------------------
+def _pct(a, b):
+    return f"{100.0 * a / b:.1f}%" if b else "n/a"
+
+
+def summarise(rows: list[dict]) -> dict:
+    by = defaultdict(Counter)                 # (op, dtype, check) -> status counts
+    fallbacks = defaultdict(Counter)          # op -> fallback op counts
+    decomposed = defaultdict(set)
+    reasons = defaultdict(Counter)            # op -> expectation reason counts
+    failures = defaultdict(list)
+    for r in rows:
+        if r["status"] == "cpu_error":
+            continue
+        by[(r["op"], r["dtype"], r["check"])][r["status"]] += 1
+        for f in r.get("fallbacks", ()):
+            fallbacks[r["op"]][f] += 1
+        decomposed[r["op"]].update(r.get("decomposed", ()))
+        if r["status"] == "expected":
+            reasons[r["op"]][r["detail"].split(" [", 1)[0]] += 1
+        if r["status"] == "fail":
+            failures[r["op"]].append(r)
+    return {"by": by, "fallbacks": fallbacks, "decomposed": decomposed, "reasons": reasons,
+            "failures": failures}
+
+
+def op_status(counts: Counter, decomposed) -> str:
+    if counts["fail"]:
+        return "failing"
+    if counts["fallback"]:
+        return "CPU fallback"
+    if not (counts["native"] or counts["expected"]):
+        return "no samples"
+    if not counts["native"] and counts["expected"]:
+        return "expected failures"
+    return "decomposed" if decomposed else "native"
+
+
+def _versions() -> str:
+    import jax
+    import torch
+
+    import torchneuron
+    return (f"torch {torch.__version__}, jax {jax.__version__}, torchneuron {torchneuron.__version__}, "
+            f"Python {platform.python_version()}, PJRT platform {torchneuron.config.platform}")
+
+
+def render(rows: list[dict], core: list[dict], command: str) -> str:
+    s = summarise(rows)
+    by = s["by"]
+    ops = sorted({k[0] for k in by})
+    totals = Counter()
+    per_check = defaultdict(Counter)
+    for (_op, dtype, check), c in by.items():
+        per_check[(dtype, check)].update(c)
+        totals.update(c)
+    f32 = per_check[("float32", "forward")]
+    f32_total = sum(f32.values())
+    # Gradient target: autograd-capable entries whose float32 gradient samples all pass natively.
+    grad_entries = [op for op in ops if sum(by[(op, "float32", "grad")].values())]
+    grad_native = [op for op in grad_entries
+                   if by[(op, "float32", "grad")]["native"] == sum(by[(op, "float32", "grad")].values())]
+    wrong = totals["fail"]
+
+    out = []
+    w = out.append
+    w("# ATen coverage of the neuron device\n")
+    w("Generated by `python -m torchneuron.tools.coverage` -- do not edit by hand. "
+      f"Last run: {datetime.date.today().isoformat()}; {_versions()}.\n")
+    w(f"Command: `{command}`\n")
+    w("Every OpInfo sample (PyTorch's `op_db`, `torch.testing._internal.common_methods_invocations`) "
+      "runs on CPU and on neuron and the results are compared. **native**: matched with no CPU fallback "
+      "during the op (decompositions into lowered ops count as native); **fallback**: matched, but some "
+      "ATen op ran on CPU; **expected**: failed, and `tests/opinfo/expectations.py` gives the reason; "
+      "**fail**: a mismatch or an error nobody explained. Random ops are checked by shape, dtype, range and "
+      "reproducibility under a seed.\n")
+    w("## Targets\n")
+    w("| target | measured | goal |")
+    w("|---|---|---|")
+    w(f"| float32 forward samples passing natively | {f32['native']} / {f32_total} = "
+      f"{_pct(f32['native'], f32_total)} | >= 95% |")
+    w(f"| float32 forward samples passing or in the expectations table | "
+      f"{f32['native'] + f32['fallback'] + f32['expected']} / {f32_total} = "
+      f"{_pct(f32['native'] + f32['fallback'] + f32['expected'], f32_total)} | 100% |")
+    w(f"| autograd-capable entries whose float32 gradient passes natively | {len(grad_native)} / "
+      f"{len(grad_entries)} = {_pct(len(grad_native), len(grad_entries))} | >= 90% |")
+    w(f"| samples that produce a wrong answer (or error) without an expectation | {wrong} | 0 |\n")
+
+    w("## Totals per dtype and check\n")
+    w("| dtype | check | samples | native | fallback | expected | fail | native % |")
+    w("|---|---|---|---|---|---|---|---|")
+    for (dtype, check) in sorted(per_check, key=lambda k: (k[1], k[0])):
+        c = per_check[(dtype, check)]
+        n = sum(c.values())
+        w(f"| {dtype} | {check} | {n} | {c['native']} | {c['fallback']} | {c['expected']} | {c['fail']} | "
+          f"{_pct(c['native'], n)} |")
+    n = sum(totals.values())
+    w(f"| **all** | | {n} | {totals['native']} | {totals['fallback']} | {totals['expected']} | "
+      f"{totals['fail']} | {_pct(totals['native'], n)} |\n")
+
+    core_counts = Counter(r["status"] for r in core)
+    w("## Core ATen IR\n")
+    w(f"{len(core)} overloads tagged `core`: " + ", ".join(f"{v} {k}" for k, v in sorted(core_counts.items()))
+      + ". *backend-independent kernel*: PyTorch's own composite or metadata kernel, which runs unchanged on "
+      "neuron (views, `sym_*`, ...).\n")
+    w("| overload | status | how |")
+    w("|---|---|---|")
+    for r in core:
+        w(f"| `{r['op']}` | {r['status']} | {r['how']} |")
+    w("")
+
+    w("## Per OpInfo entry\n")
+    w("Counts are native/fallback/expected/fail samples. Status: *native*, *decomposed* (native, and a "
+      "PyTorch decomposition was used), *CPU fallback*, *expected failures* (all non-passing samples "
+      "explained), *failing*.\n")
+    dtypes_checks = [("float32", "forward"), ("bfloat16", "forward"), ("int64", "forward"),
+                     ("bool", "forward"), ("float32", "grad")]
+    w("| entry | status | " + " | ".join(f"{d} {c}" for d, c in dtypes_checks) + " | notes |")
+    w("|---|---|" + "---|" * len(dtypes_checks) + "---|")
+    for op in ops:
+        allc = Counter()
+        cells = []
+        for d, c in dtypes_checks:
+            cnt = by.get((op, d, c))
+            if not cnt:
+                cells.append("")
+                continue
+            allc.update(cnt)
+            cells.append("/".join(str(cnt[k]) for k in STATUSES))
+        notes = []
+        if s["fallbacks"][op]:
+            notes.append("CPU: " + ", ".join(f"`{k}`" for k in sorted(s["fallbacks"][op])))
+        for reason in s["reasons"][op]:
+            notes.append(reason)
+        status = op_status(allc, s["decomposed"][op])
+        w(f"| `{op}` | {status} | " + " | ".join(cells) + " | " + "; ".join(notes).replace("|", "\\|") + " |")
+    w("")
+    if s["failures"]:
+        w("## Failing samples\n")
+        for op in sorted(s["failures"]):
+            for r in s["failures"][op][:5]:
+                w(f"- `{op}` {r['dtype']} {r['check']} #{r['index']} `{r['desc'][:80]}`: "
+                  f"{r['detail'][:200]}")
+        w("")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m torchneuron.tools.coverage", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", nargs="*", default=[], help="OpInfo entries to sweep (exact, or prefix*)")
+    p.add_argument("--checks", nargs="*", default=["forward", "grad"], choices=["forward", "grad"])
+    p.add_argument("--dtypes", nargs="*", default=[], help="e.g. float32 bfloat16 (default: all the harness runs)")
+    p.add_argument("--limit", type=int, default=None, help="samples per entry/dtype/check (default: all)")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes")
+    p.add_argument("--shard", default="", help=argparse.SUPPRESS)
+    p.add_argument("--results", default=str(DEFAULT_RESULTS))
+    p.add_argument("--output", default=str(DEFAULT_OUTPUT))
+    p.add_argument("--tests-dir", default=str(REPO / "tests"))
+    p.add_argument("--resume", action="store_true", help="skip entries already in --results")
+    p.add_argument("--render-only", action="store_true", help="write the report from --results, run nothing")
+    p.add_argument("--sweep-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-jax-cache", action="store_true", help="do not use JAX's persistent compilation cache")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+
+    if not args.render_only:
+        if args.jobs > 1 and not args.shard:
+            sweep_parallel(args)
+        else:
+            sweep(args)
+    if args.sweep_only:
+        return 0
+    rows = load_results(Path(args.results))
+    command = "python -m torchneuron.tools.coverage " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = render(rows, core_aten(), command.strip())
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"coverage: wrote {out} ({len(rows)} samples)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

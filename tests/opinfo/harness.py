@@ -1,0 +1,577 @@
+"""PyTorch's OpInfo database run on neuron, with the CPU as the oracle.
+
+For each OpInfo entry, dtype and check ("forward" or "grad") every sample is generated on CPU,
+run there, copied to neuron and run again; the two results are compared. A sample ends as one of:
+
+* ``native``   -- matched, and ``metrics.fallbacks`` did not grow while it ran (decompositions into
+  lowered ops count as native);
+* ``fallback`` -- matched, but some ATen op ran on CPU (the ops are recorded);
+* ``expected`` -- failed, and an entry of ``expectations.EXPECTATIONS`` says why;
+* ``fail``     -- ran and mismatched, or raised where CPU did not: never silently skipped;
+* ``cpu_error``-- the sample is not valid on CPU either (not counted).
+
+Random ops cannot match CPU values: they are checked by shape, dtype, range and reproducibility
+under ``torch.manual_seed`` (see ``RANDOM``). Ops that return uninitialised memory (``empty*``) are
+checked by shape and dtype only.
+
+``tests/opinfo/test_opinfo.py`` and ``python -m torchneuron.tools.coverage`` both drive this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+import torchneuron
+from torchneuron.eager import kernel as _kernel
+from torchneuron.metrics import metrics
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from torch.testing._internal.common_methods_invocations import op_db
+
+from . import expectations
+
+DEVICE = "neuron"
+FORWARD_DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool)
+GRAD_DTYPES = (torch.float32,)
+
+# Default comparison tolerances (atol, rtol). float32 follows PyTorch's own CPU-vs-accelerator
+# comparison (test_compare_cpu) scaled down 10x; bfloat16 allows ~2 ulp, as results may round once
+# (PyTorch CPU) or twice (XLA) from a float32 intermediate.
+TOLERANCES = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float64: (1e-4, 1e-4),
+    torch.bfloat16: (1e-2, 1.6e-2),
+    torch.float16: (1e-3, 1e-3),
+}
+GRAD_TOLERANCE = (1e-4, 1e-4)
+
+
+def name_of(op) -> str:
+    return op.name + ("." + op.variant_test_name if op.variant_test_name else "")
+
+
+OPS = {name_of(op): op for op in op_db}
+
+
+@dataclasses.dataclass
+class SampleResult:
+    op: str
+    dtype: str
+    check: str
+    index: int
+    status: str              # native | fallback | expected | fail | cpu_error
+    desc: str = ""
+    detail: str = ""
+    fallbacks: tuple[str, ...] = ()
+    decomposed: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# -- random-output ops ----------------------------------------------------------------------------
+def _in_range(lo, hi, *, hi_inclusive=False):
+    def check(out, sample):
+        t = out if isinstance(out, torch.Tensor) else out[0]
+        if not t.numel() or not (t.dtype.is_floating_point or t.dtype in _INT_DTYPES):
+            return None
+        vals = t.float()
+        bad = (vals < lo) | ((vals > hi) if hi_inclusive else (vals >= hi))
+        if math.isinf(hi):
+            bad = vals < lo
+        return f"values outside [{lo}, {hi}{']' if hi_inclusive else ')'}" if bool(bad.any()) else None
+    return check
+
+
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _finite(out, sample):
+    t = out if isinstance(out, torch.Tensor) else out[0]
+    if t.dtype.is_floating_point and t.numel() and not bool(torch.isfinite(t).all()):
+        return "non-finite values"
+    return None
+
+
+def _bernoulli(out, sample):
+    return None if bool(((out == 0) | (out == 1)).all()) else "values other than 0 and 1"
+
+
+def _dropout(out, sample):
+    # Every element is either dropped or the input scaled by 1/(1-p).
+    x = sample.input.float()
+    p = sample.kwargs.get("p", sample.args[0] if sample.args else 0.5)
+    if not sample.kwargs.get("training", True) or p == 0:
+        return None if torch.allclose(out.float(), x, equal_nan=True) else "eval-mode dropout changed its input"
+    scaled = x / (1 - p) if p < 1 else torch.zeros_like(x)
+    ok = (out.float() == 0) | torch.isclose(out.float(), scaled, rtol=1e-2, atol=1e-3)
+    return None if bool(ok.all()) else "elements neither dropped nor scaled by 1/(1-p)"
+
+
+def _alpha_dropout(out, sample):
+    # Alpha dropout outputs a*x + b (kept) or a*alpha' + b (dropped): at most two affine images of x.
+    return _finite(out, sample)
+
+
+def _multinomial(out, sample):
+    n = sample.input.shape[-1]
+    if out.dtype != torch.int64:
+        return f"dtype {out.dtype}, expected int64"
+    if bool(((out < 0) | (out >= n)).any()):
+        return "category index out of range"
+    probs = sample.input.float()
+    picked = probs.reshape(-1, n).gather(-1, out.reshape(probs.reshape(-1, n).shape[0], -1).cpu())
+    if bool((picked == 0).any()):
+        return "sampled a zero-probability category"
+    replacement = sample.kwargs.get("replacement", sample.args[1] if len(sample.args) > 1 else False)
+    if not replacement:
+        rows = out.reshape(-1, out.shape[-1])
+        if any(len(set(r.tolist())) != len(r) for r in rows):
+            return "repeated category without replacement"
+    return None
+
+
+def _randint_like(out, sample):
+    args = sample.args
+    low, high = (0, args[0]) if len(args) == 1 else (args[0], args[1]) if len(args) >= 2 else (
+        sample.kwargs.get("low", 0), sample.kwargs["high"])
+    return _in_range(low, high)(out, sample)
+
+
+def _randint(out, sample):
+    args = sample.args
+    if len(args) >= 3 or (len(args) == 2 and not isinstance(args[1], tuple | list | torch.Size)):
+        low, high = args[0], args[1]
+    else:
+        low, high = 0, args[0]
+    return _in_range(low, high)(out, sample)
+
+
+def _uniform(out, sample):
+    lo = sample.args[0] if sample.args else sample.kwargs.get("from", 0.0)
+    hi = sample.args[1] if len(sample.args) > 1 else sample.kwargs.get("to", 1.0)
+    return _in_range(lo, hi, hi_inclusive=True)(out, sample)
+
+
+def _rrelu(out, sample):
+    x = sample.input.float()
+    lower = sample.kwargs.get("lower", sample.args[0] if sample.args else 1 / 8)
+    upper = sample.kwargs.get("upper", sample.args[1] if len(sample.args) > 1 else 1 / 3)
+    o = out.float()
+    pos = x >= 0
+    if not bool(torch.isclose(o[pos], x[pos], rtol=1e-2, atol=1e-3).all()):
+        return "non-negative inputs changed"
+    neg = ~pos & (x != 0)
+    slope = o[neg] / x[neg]
+    training = sample.kwargs.get("training", False)
+    if training:
+        ok = (slope >= lower - 1e-2) & (slope <= upper + 1e-2)
+    else:
+        ok = torch.isclose(slope, torch.full_like(slope, (lower + upper) / 2), rtol=1e-2, atol=1e-3)
+    return None if bool(ok.all()) else "negative slope outside [lower, upper]"
+
+
+def _positive_ints(out, sample):
+    return _in_range(1, math.inf)(out, sample)
+
+
+def _nonneg(out, sample):
+    return _in_range(0, math.inf)(out, sample)
+
+
+def _fractional_pool(out, sample):
+    # Each output is the maximum of some window of the input: it must be one of the input values.
+    vals = out[0] if isinstance(out, tuple) else out
+    return None if bool(torch.isin(vals.float(), sample.input.float()).all()) else "output not an input value"
+
+
+def _shape_only(out, sample):
+    return None
+
+
+# name -> property check of one output (on CPU copies). All also get shape/dtype/reproducibility.
+RANDOM: dict[str, Callable] = {
+    "bernoulli": _bernoulli,
+    "cauchy": _shape_only,
+    "exponential": _nonneg,
+    "geometric": _positive_ints,
+    "log_normal": _nonneg,
+    "normal": _finite,
+    "normal.in_place": _finite,
+    "normal.number_mean": _finite,
+    "uniform": _uniform,
+    "rand_like": _in_range(0, 1),
+    "randn_like": _finite,
+    "randn": _finite,
+    "randint": _randint,
+    "randint_like": _randint_like,
+    "multinomial": _multinomial,
+    "nn.functional.dropout": _dropout,
+    "nn.functional.dropout2d": _finite,
+    "nn.functional.dropout3d": _finite,
+    "nn.functional.alpha_dropout": _alpha_dropout,
+    "nn.functional.feature_alpha_dropout.with_train": _alpha_dropout,
+    "nn.functional.rrelu": _rrelu,
+    "nn.functional.fractional_max_pool2d": _fractional_pool,
+    "nn.functional.fractional_max_pool3d": _fractional_pool,
+    "svd_lowrank": _shape_only,
+    "pca_lowrank": _shape_only,
+}
+# Uninitialised memory: only shape and dtype mean anything.
+UNINITIALISED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted"}
+
+
+# -- moving samples ---------------------------------------------------------------------------------
+def _to_device(v, leaves=None):
+    if isinstance(v, torch.Tensor):
+        d = v.detach().to(DEVICE)
+        if v.requires_grad:
+            d.requires_grad_(True)
+            if leaves is not None:
+                leaves.append(d)
+        return d
+    if isinstance(v, torch.device) and v.type == "cpu":
+        return torch.device(DEVICE)
+    return v
+
+
+# Positional arguments (after the input) that the op requires on CPU, as CUDA tests generate them.
+CPU_ARGS = {
+    "tensor_split": {0},   # tensor_indices_or_sections must be a CPU tensor
+}
+
+
+def _move(sample, leaves=None, name=""):
+    keep = CPU_ARGS.get(name, ())
+
+    def mv(x):
+        if isinstance(x, list):
+            return [mv(e) for e in x]
+        if isinstance(x, tuple):
+            return tuple(mv(e) for e in x)
+        if isinstance(x, dict):
+            return {k: (DEVICE if k == "device" and x[k] in ("cpu", torch.device("cpu")) else mv(e))
+                    for k, e in x.items()}
+        return _to_device(x, leaves)
+    args = [a if i in keep else mv(a) for i, a in enumerate(sample.args)]
+    return mv(sample.input), args, mv(dict(sample.kwargs))
+
+
+def _cpu_leaves(sample):
+    leaves = []
+
+    def visit(x):
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            leaves.append(x)
+        return x
+    tree_map(visit, (sample.input, list(sample.args), dict(sample.kwargs)))
+    return leaves
+
+
+def _to_cpu(v):
+    if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+        return v.detach().cpu()
+    return v
+
+
+# -- comparison ---------------------------------------------------------------------------------
+_EQUIVALENT = {torch.float64: torch.float32, torch.complex128: torch.complex64}
+
+
+def compare(actual, expected, tol=None, path="out") -> str | None:
+    """None when ``actual`` (neuron results) matches ``expected`` (CPU), else what differs."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor):
+            return f"{path}: got {type(actual).__name__}, expected a Tensor"
+        if actual.device.type != DEVICE and expected.device.type == "cpu" and actual.numel():
+            return f"{path}: result on {actual.device}, expected on {DEVICE}"
+        a = actual.detach().cpu()
+        e = expected.detach().cpu()
+        if tuple(a.shape) != tuple(e.shape):
+            return f"{path}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+        if a.dtype != e.dtype and _EQUIVALENT.get(e.dtype) != a.dtype:
+            return f"{path}: dtype {a.dtype} != {e.dtype}"
+        if e.is_complex() or a.is_complex():
+            a, e = torch.view_as_real(a.resolve_conj()), torch.view_as_real(e.resolve_conj().to(a.dtype))
+        if a.dtype != e.dtype:
+            e = e.to(a.dtype)
+        if a.is_floating_point():
+            atol, rtol = tol or TOLERANCES.get(a.dtype, (1e-4, 1e-4))
+            try:
+                torch.testing.assert_close(a, e, atol=atol, rtol=rtol, equal_nan=True, check_stride=False)
+            except AssertionError as err:
+                return f"{path}: " + _first_line(str(err))
+            return None
+        if not torch.equal(a, e):
+            diff = (a != e).sum().item()
+            return f"{path}: {diff} of {a.numel()} elements differ"
+        return None
+    if isinstance(expected, list | tuple):
+        if not isinstance(actual, list | tuple) or len(actual) != len(expected):
+            return f"{path}: got {type(actual).__name__} of {len(actual) if hasattr(actual, '__len__') else '?'}, " \
+                   f"expected {len(expected)} values"
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            msg = compare(a, e, tol, f"{path}[{i}]")
+            if msg:
+                return msg
+        return None
+    if isinstance(expected, float):
+        if isinstance(actual, torch.Tensor) or not isinstance(actual, int | float):
+            return f"{path}: got {actual!r}, expected {expected!r}"
+        if math.isnan(expected) and math.isnan(actual):
+            return None
+        atol, rtol = tol or (1e-4, 1e-4)
+        return None if abs(actual - expected) <= atol + rtol * abs(expected) else f"{path}: {actual} != {expected}"
+    if isinstance(expected, torch.dtype | torch.device):
+        return None
+    if actual != expected:
+        return f"{path}: {actual!r} != {expected!r}"
+    return None
+
+
+def _first_line(msg: str) -> str:
+    lines = [ln.strip() for ln in msg.strip().splitlines() if ln.strip()]
+    return " ".join(lines[:4])[:300]
+
+
+def describe(sample) -> str:
+    def fmt(v):
+        if isinstance(v, torch.Tensor):
+            if v.layout != torch.strided:
+                return f"{str(v.layout).replace('torch.', '')}{list(v.shape)}"
+            return f"T{list(v.shape)}" + ("" if v.is_contiguous() else "nc")
+        if isinstance(v, list | tuple):
+            inner = ",".join(fmt(x) for x in v[:6]) + (",..." if len(v) > 6 else "")
+            return ("[" + inner + "]") if isinstance(v, list) else ("(" + inner + ")")
+        if isinstance(v, torch.dtype):
+            return str(v).replace("torch.", "")
+        return repr(v)[:40]
+    parts = [fmt(sample.input)] + [fmt(a) for a in sample.args]
+    parts += [f"{k}={fmt(v)}" for k, v in sample.kwargs.items()]
+    return "(" + ", ".join(parts) + ")"
+
+
+# -- running ----------------------------------------------------------------------------------------
+class _FallbackWatch:
+    """The ops that ran on CPU (and those decomposed) between enter and exit."""
+
+    def __enter__(self):
+        self.before = dict(metrics.fallbacks)
+        self.before_decomp = dict(metrics.decompositions)
+        return self
+
+    def __exit__(self, *exc):
+        self.ops = watch_ops(self)
+        after = metrics.decompositions
+        self.decomposed = tuple(sorted(k for k, v in after.items() if v > self.before_decomp.get(k, 0)))
+        _last_decomposed[:] = self.decomposed
+        return False
+
+
+_last_decomposed: list = []
+
+
+@contextlib.contextmanager
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _samples(op, dtype, requires_grad):
+    with _quiet():
+        return list(op.sample_inputs("cpu", dtype, requires_grad=requires_grad))
+
+
+def _error(err) -> str:
+    return f"{type(err).__name__}: {_first_line(str(err))}"
+
+
+def _seeded(fn, seed):
+    torch.manual_seed(seed)
+    return fn()
+
+
+def run_forward(op, sample, dtype) -> tuple[str, str, tuple]:
+    """(status, detail, fallback ops) of one forward sample."""
+    name = name_of(op)
+    with _quiet():
+        try:
+            expected = _seeded(lambda: op(sample.input, *sample.args, **sample.kwargs), 0)
+            expected = sample.output_process_fn_grad(expected)
+        except Exception as err:  # the sample is not valid on CPU either
+            return "cpu_error", _error(err), ()
+        inp, args, kwargs = _move(sample, name=name)
+        with _FallbackWatch() as watch:
+            try:
+                actual = _seeded(lambda: op(inp, *args, **kwargs), 0)
+                actual = sample.output_process_fn_grad(actual)
+                if name in RANDOM:
+                    again = _seeded(lambda: sample.output_process_fn_grad(op(inp, *args, **kwargs)), 0)
+            except Exception as err:
+                return "fail", _error(err), watch_ops(watch)
+    if name in UNINITIALISED:
+        msg = _check_meta(actual, expected)
+    elif name in RANDOM:
+        msg = _check_meta(actual, expected)
+        if msg is None:
+            msg = compare(again, actual, (0.0, 0.0), "reproducibility")
+        if msg is None:
+            with _quiet():
+                msg = RANDOM[name](tree_map(_to_cpu, actual), sample)
+    else:
+        msg = compare(actual, expected, expectations.tolerance(name, dtype, "forward"))
+    return ("fail", msg, watch.ops) if msg else ("native" if not watch.ops else "fallback", "", watch.ops)
+
+
+def watch_ops(watch):
+    after = metrics.fallbacks
+    return tuple(sorted(k for k, v in after.items() if v > watch.before.get(k, 0)))
+
+
+def _check_meta(actual, expected) -> str | None:
+    a_flat, _ = tree_flatten(actual)
+    e_flat, _ = tree_flatten(expected)
+    if len(a_flat) != len(e_flat):
+        return f"{len(a_flat)} outputs, expected {len(e_flat)}"
+    for a, e in zip(a_flat, e_flat):
+        if isinstance(e, torch.Tensor):
+            if not isinstance(a, torch.Tensor):
+                return f"got {type(a).__name__}, expected a Tensor"
+            if tuple(a.shape) != tuple(e.shape):
+                return f"shape {tuple(a.shape)} != {tuple(e.shape)}"
+            if a.dtype != e.dtype and _EQUIVALENT.get(e.dtype) != a.dtype:
+                return f"dtype {a.dtype} != {e.dtype}"
+            if e.numel() and a.device.type != DEVICE:
+                return f"result on {a.device}"
+    return None
+
+
+def _differentiable(out):
+    flat, _ = tree_flatten(out)
+    return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad
+            and (t.is_floating_point() or t.is_complex())]
+
+
+def _cotangents(outs, seed):
+    g = torch.Generator().manual_seed(seed)
+    cots = []
+    for t in outs:
+        dtype = t.dtype if t.dtype != torch.complex128 else torch.complex64
+        c = torch.randn(t.shape, generator=g, dtype=torch.float32)
+        cots.append(c.to(dtype) if not dtype.is_complex else torch.complex(c, c).to(dtype))
+    return cots
+
+
+def run_grad(op, sample, dtype) -> tuple[str, str, tuple]:
+    """(status, detail, fallback ops) of the gradient of one sample (vector-Jacobian product)."""
+    name = name_of(op)
+    variant = op.get_op()
+    with _quiet():
+        try:
+            out = _seeded(lambda: sample.output_process_fn_grad(
+                op.gradcheck_wrapper(variant, sample.input, *sample.args, **sample.kwargs)), 0)
+            outs = _differentiable(out)
+            leaves = _cpu_leaves(sample)
+            if not outs or not leaves:
+                return "cpu_error", "no differentiable outputs", ()
+            cots = _cotangents(outs, 1)
+            expected = torch.autograd.grad(outs, leaves, cots, allow_unused=True)
+        except Exception as err:
+            return "cpu_error", _error(err), ()
+        dev_leaves = []
+        inp, args, kwargs = _move(sample, dev_leaves, name)
+        with _FallbackWatch() as watch:
+            try:
+                out_d = _seeded(lambda: sample.output_process_fn_grad(
+                    op.gradcheck_wrapper(variant, inp, *args, **kwargs)), 0)
+                outs_d = _differentiable(out_d)
+                if len(outs_d) != len(outs):
+                    return "fail", f"{len(outs_d)} differentiable outputs, expected {len(outs)}", watch_ops(watch)
+                actual = torch.autograd.grad(outs_d, dev_leaves, [c.to(DEVICE) for c in cots],
+                                             allow_unused=True)
+                if name in RANDOM:
+                    out_again = _seeded(lambda: sample.output_process_fn_grad(
+                        op.gradcheck_wrapper(variant, inp, *args, **kwargs)), 0)
+                    again = torch.autograd.grad(_differentiable(out_again), dev_leaves,
+                                                [c.to(DEVICE) for c in cots], allow_unused=True)
+            except Exception as err:
+                return "fail", _error(err), watch_ops(watch)
+    if name in RANDOM:
+        msg = _check_meta(list(actual), [e if e is not None else None for e in expected])
+        if msg is None:
+            msg = compare(list(again), list(actual), (0.0, 0.0), "reproducibility")
+    else:
+        expected = [e if e is not None else None for e in expected]
+        msg = _compare_grads(actual, expected, expectations.tolerance(name, dtype, "grad") or GRAD_TOLERANCE)
+    return ("fail", msg, watch.ops) if msg else ("native" if not watch.ops else "fallback", "", watch.ops)
+
+
+def _compare_grads(actual, expected, tol):
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if e is None and a is None:
+            continue
+        if e is None or a is None:
+            # An unused input may come back as None on one side and zeros on the other.
+            other = a if e is None else e
+            if isinstance(other, torch.Tensor) and not bool((other.detach().cpu() == 0).all()):
+                return f"grad[{i}]: None on one side, nonzero on the other"
+            continue
+        msg = compare(a, e, tol, f"grad[{i}]")
+        if msg:
+            return msg
+    return None
+
+
+def run(op, dtype, check, limit=None, start=0) -> Iterator[SampleResult]:
+    """Results of every sample of ``op`` for ``dtype`` and ``check`` ("forward" or "grad")."""
+    name = name_of(op)
+    dname = str(dtype).replace("torch.", "")
+    try:
+        samples = _samples(op, dtype, requires_grad=(check == "grad"))
+    except Exception as err:
+        yield SampleResult(name, dname, check, -1, "cpu_error", "", f"sample generation: {_error(err)}")
+        return
+    stop = len(samples) if limit is None else min(len(samples), start + limit)
+    runner = run_forward if check == "forward" else run_grad
+    for i in range(start, stop):
+        sample = samples[i]
+        _last_decomposed.clear()
+        try:
+            desc = describe(sample)
+            status, detail, fb = runner(op, sample, dtype)
+        except Exception as err:  # a harness-level error is still a failure, never a skip
+            status, detail, fb = "fail", "harness: " + _error(err), ()
+            if os.environ.get("TORCHNEURON_OPINFO_TRACEBACK"):
+                traceback.print_exc()
+        if status == "fail":
+            reason = expectations.expected(name, dtype, check, sample, detail)
+            if reason is not None:
+                status, detail = "expected", f"{reason} [{detail}]"
+        yield SampleResult(name, dname, check, i, status, desc, detail, fb, tuple(_last_decomposed))
+    torchneuron.metrics.extra["opinfo_samples"] += stop - start
+
+
+def dtypes_for(op, check) -> list[torch.dtype]:
+    if check == "grad":
+        if not op.supports_autograd:
+            return []
+        supported = op.supported_backward_dtypes("cpu")
+        return [d for d in GRAD_DTYPES if d in supported]
+    supported = op.supported_dtypes("cpu")
+    return [d for d in FORWARD_DTYPES if d in supported]
+
+
+def clear_caches() -> None:
+    """Drop compiled executables between ops (a full sweep compiles tens of thousands)."""
+    _kernel.clear_cache()
