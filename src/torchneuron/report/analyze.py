@@ -413,7 +413,8 @@ def findings(run, baseline, sections, warmup) -> list[dict]:
         elif baseline is not None and (v["baseline_count"] in (None, 0) or v["count"] == 0):
             out.append(_finding("warning", "numeric_missing", f"'{v['name']}' tracked in one run only",
                                 f"{v['count']} value(s) here, {v['baseline_count'] or 0} in the baseline."))
-        elif baseline is not None and v["baseline_count"] != v["count"] and v.get("compared"):
+        elif baseline is not None and v["baseline_count"] != v["count"] and v.get("compared") \
+                and not _budget_explains(run, baseline, v):
             out.append(_finding("warning", "numeric_missing", f"'{v['name']}' tracked a different number of times",
                                 f"{v['count']} value(s) here, {v['baseline_count']} in the baseline; "
                                 f"the first {v['compared']} were compared."))
@@ -440,6 +441,12 @@ def findings(run, baseline, sections, warmup) -> list[dict]:
     order = {"blocker": 0, "warning": 1}
     out.sort(key=lambda f: order[f["severity"]])
     return out
+
+
+def _budget_explains(run, baseline, value) -> bool:
+    """A run cut short by its step or time budget tracks fewer values: that is not a mismatch."""
+    shorter = run if value["count"] < value["baseline_count"] else baseline
+    return (shorter.get("status") or {}).get("outcome") == "stopped"
 
 
 def verdict(found: list[dict]) -> dict:

@@ -285,7 +285,8 @@ def _performance(b, report):
         b.append(("p", [f"Steady-state p50 is {r:.2f}× the baseline's ({'slower' if r > 1 else 'faster'})."]))
     series = [{"label": "neuron", "x": list(range(1, len(p["series"]) + 1)), "y": p["series"]}]
     if base:
-        series.append({"label": "baseline", "x": list(range(1, len(base["series"]) + 1)), "y": base["series"]})
+        series.append({"label": "baseline", "x": list(range(1, len(base["series"]) + 1)), "y": base["series"],
+                       "dashed": True})
     ys = [y for sr in series for y in sr["y"] if y and y > 0]
     log = bool(ys) and max(ys) / min(ys) > 20
     hl = [{"label": "p50", "y": s["p50_s"]}, {"label": "p99", "y": s["p99_s"]}] if s else []
@@ -318,15 +319,22 @@ def _numerics(b, report):
         series = [{"label": "neuron", "x": xs, "y": v["series"]}]
         if v.get("baseline_series"):
             series.append({"label": "baseline", "x": list(range(1, len(v["baseline_series"]) + 1)),
-                           "y": v["baseline_series"]})
+                           "y": v["baseline_series"], "dashed": True})
         b.append(("chart", svg.line_chart(series, title=f"{v['name']}" + (" (mean of elements)" if v["shape"] else ""),
                                           xlabel="tracked value #", ylabel=v["name"])))
         if v.get("abs_error"):
-            err = [{"label": "max abs error", "x": list(range(1, len(v["abs_error"]) + 1)), "y": v["abs_error"]}]
-            positive = [e for e in v["abs_error"] if e > 0 and math.isfinite(e)]
-            b.append(("chart", svg.line_chart(err, title=f"{v['name']}: |neuron − baseline|",
-                                              xlabel="tracked value #", ylabel="abs error",
-                                              log_y=bool(positive) and min(positive) > 0)))
+            xs = list(range(1, len(v["abs_error"]) + 1))
+            err = [{"label": "max abs error", "x": xs, "y": v["abs_error"]}]
+            if not v["shape"] and v.get("baseline_series"):
+                # For a scalar the allowed error is exact: atol + rtol * |baseline|.
+                err.append({"label": "tolerance", "x": xs, "dashed": True,
+                            "y": [v["atol"] + v["rtol"] * abs(b) for b in v["baseline_series"][:len(xs)]]})
+            positive = [e for sr in err for e in sr["y"] if math.isfinite(e) and e > 0]
+            log = bool(positive) and max(positive) / min(positive) > 20
+            b.append(("chart", svg.line_chart(err, title=f"{v['name']}: |neuron − baseline|"
+                                              + (" (log scale; exact matches on the bottom edge)" if log else ""),
+                                              xlabel="tracked value #", ylabel="abs error", log_y=log,
+                                              zeros_on_axis=True)))
 
 
 def _memory(b, report):

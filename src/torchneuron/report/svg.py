@@ -31,9 +31,11 @@ def _fmt(v: float) -> str:
 
 
 def line_chart(series: list[dict], *, title: str, xlabel: str = "", ylabel: str = "", log_y: bool = False,
-               width: int = 680, height: int = 260, hlines: list[dict] | None = None) -> str:
-    """``series``: [{"label", "x": [...], "y": [...]}]; non-finite and (log scale) non-positive points
-    are skipped. ``hlines``: [{"label", "y"}] dashed reference lines."""
+               width: int = 680, height: int = 260, hlines: list[dict] | None = None,
+               zeros_on_axis: bool = False) -> str:
+    """``series``: [{"label", "x": [...], "y": [...], "dashed"?}]; non-finite points are skipped, and
+    on a log scale so are non-positive ones unless ``zeros_on_axis`` draws them on the bottom edge.
+    ``hlines``: [{"label", "y"}] dashed reference lines."""
     left, right, top, bottom = 64, 16, 28, 44
     pw, ph = width - left - right, height - top - bottom
     pts_all = []
@@ -105,13 +107,14 @@ def line_chart(series: list[dict], *, title: str, xlabel: str = "", ylabel: str 
                    f'{escape(h["label"])}</text>')
     for i, s in enumerate(series):
         color = s.get("color") or PALETTE[i % len(PALETTE)]
-        pts = [(tx(x), ty(y)) for x, y in zip(s["x"], s["y"])
-               if y is not None and math.isfinite(y) and not (log_y and y <= 0)]
+        pts = [(tx(x), ty(y) if not (log_y and y <= 0) else top + ph) for x, y in zip(s["x"], s["y"])
+               if y is not None and math.isfinite(y) and not (log_y and y <= 0 and not zeros_on_axis)]
         if not pts:
             continue
         if len(pts) > 1:
             d = " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)
-            out.append(f'<polyline points="{d}" fill="none" stroke="{color}" stroke-width="1.8"/>')
+            dash = ' stroke-dasharray="6 4"' if s.get("dashed") else ""
+            out.append(f'<polyline points="{d}" fill="none" stroke="{color}" stroke-width="1.8"{dash}/>')
         if len(pts) <= 60:
             out.extend(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.6" fill="{color}"/>' for x, y in pts)
         lx = left + 8 + i * 170
