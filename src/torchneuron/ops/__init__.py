@@ -3,9 +3,11 @@
 from . import (  # noqa: F401  (each module registers its lowerings)
     elementwise,
     factories,
+    graph_ops,
     indexing,
     linalg,
     nn,
     reductions,
     shape,
+    views,
 )

@@ -1,0 +1,137 @@
+"""The Dynamo backend: Dynamo graph -> AOTAutograd (core-ATen decompositions) -> GraphProgram.
+
+Shapes are static, as on TorchNeuron: a graph Dynamo traced symbolically (``dynamic=True``, or
+Dynamo's automatic dynamic shapes after a size change) is compiled once per concrete shape, each
+new shape counted in ``metrics.recompiles``. Dynamo's own recompiles and graph breaks are counted
+there too, keyed by their reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..config import config
+from ..metrics import metrics
+from ..ops import registry
+from . import dynamo_hooks
+from .graph import GraphProgram, op_name
+
+_OPTIONS = ("fallback", "dump_dir")
+_graph_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    fallback: str = "error"
+    dump_dir: str = ""
+
+    @classmethod
+    def parse(cls, options, mode) -> CompileOptions:
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(_OPTIONS))
+        if unknown:
+            raise ValueError(f"torchneuron: unknown torch.compile option(s) {unknown} for backend "
+                             f"\"neuron\"; valid options: {list(_OPTIONS)}")
+        fallback = options.get("fallback") or config.compile_fallback
+        if fallback not in ("error", "eager"):
+            raise ValueError(f"torchneuron: options['fallback'] must be 'error' or 'eager', got {fallback!r}")
+        if mode not in (None, "default"):
+            warnings.warn(f"torchneuron: torch.compile mode={mode!r} has no effect on the neuron backend",
+                          stacklevel=3)
+        return cls(fallback, options.get("dump_dir") or config.dump_dir)
+
+
+def neuron_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None):
+    """torch.compile(backend="neuron"): compile a Dynamo graph (forward and backward)."""
+    opts = CompileOptions.parse(options, mode)
+    dynamo_hooks.install()
+    dynamo_hooks.note_recompile()
+    if _is_symbolic(example_inputs):
+        if not torch._dynamo.config.assume_static_by_default:
+            warnings.warn(
+                "torchneuron: torch.compile(dynamic=True) is ignored by the neuron backend: like "
+                "TorchNeuron it compiles static shapes only (dynamic=False is applied), since each "
+                "executable is specialised to its shapes. Every new input shape compiles a new "
+                "executable, counted in torchneuron.metrics()['recompiles']; keep shapes stable with "
+                "torchneuron.pad_to_multiple() / torchneuron.bucket_length().", stacklevel=2)
+        return StaticShapes(gm, opts)
+    return _compile_aot(gm, example_inputs, opts)
+
+
+def _compile_aot(gm, example_inputs, opts: CompileOptions):
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    graph_id = next(_graph_ids)
+
+    def compiler(kind):
+        def compile_graph(aten_gm, aten_inputs):
+            return GraphProgram(aten_gm, kind, fallback=opts.fallback, name=f"g{graph_id}_{kind}",
+                                dump_dir=opts.dump_dir)
+        return compile_graph
+
+    backend = aot_autograd(
+        fw_compiler=compiler("forward"),
+        bw_compiler=compiler("backward"),
+        inference_compiler=compiler("inference"),
+        decompositions=decompositions(),
+        partition_fn=min_cut_rematerialization_partition,
+        # BatchNorm running stats and optimizer state updates stay in the graph (written back into
+        # the inputs' storages) instead of becoming eager copies after it.
+        keep_inference_input_mutations=True,
+    )
+    return backend(gm, example_inputs)
+
+
+@functools.cache
+def decompositions() -> dict:
+    """Core-ATen decompositions, minus functional ops the registry lowers directly (eager's lowering
+    of the op is then also the graph's, and the graph stays smaller)."""
+    from torch._decomp import core_aten_decompositions
+    table = {}
+    for op, fn in core_aten_decompositions().items():
+        if isinstance(op, torch._ops.OpOverload) and op.namespace == "aten":
+            mutable = any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+            low = registry.get(op_name(op))
+            if low is not None and not mutable and not low.mutates:
+                continue
+        table[op] = fn
+    return table
+
+
+def _is_symbolic(example_inputs) -> bool:
+    for x in example_inputs:
+        if isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool):
+            return True
+        if isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*x.shape, *x.stride())):
+            return True
+    return False
+
+
+def _concrete_key(a):
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.device, tuple(a.shape), a.stride(), a.requires_grad)
+    return (type(a), a)
+
+
+class StaticShapes:
+    """A graph Dynamo traced with symbolic shapes, compiled once per concrete input shape."""
+
+    def __init__(self, gm, opts: CompileOptions):
+        self.gm = gm
+        self.opts = opts
+        self.compiled: dict = {}
+
+    def __call__(self, *args):
+        key = tuple(_concrete_key(a) for a in args)
+        fn = self.compiled.get(key)
+        if fn is None:
+            if self.compiled:
+                metrics.recompiles["new input shapes (the neuron backend compiles static shapes)"] += 1
+            fn = self.compiled[key] = _compile_aot(self.gm, list(args), self.opts)
+        return fn(*args)

@@ -1,0 +1,97 @@
+"""Where compiled graphs persist: JAX's persistent compilation cache, and optional dumps.
+
+Graph executables go through JAX's persistent compilation cache in ``config.cache_dir``
+(``TORCHNEURON_CACHE_DIR``; "" turns it off), keyed by JAX on the StableHLO module, compile
+options and the PJRT platform version, so a second process that traces the same graph loads the
+executable instead of compiling it. Every graph is written (minimum compile time 0), while eager
+per-op executables keep JAX's default threshold and stay out of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import jax
+from jax._src import config as jax_config
+
+from ..config import config
+
+_tls = threading.local()
+_lock = threading.Lock()
+_configured_dir: str | None = None     # what we last gave JAX ("" for off)
+_listening = False
+
+
+class Hits:
+    """Persistent-cache hits JAX reported while one graph compiled."""
+
+    __slots__ = ("count",)
+
+    def __init__(self):
+        self.count = 0
+
+
+def _on_event(event: str, **_kwargs) -> None:
+    hits = getattr(_tls, "hits", None)
+    if hits is not None and event == "/jax/compilation_cache/cache_hits":
+        hits.count += 1
+
+
+def _configure() -> str:
+    """Point JAX's persistent cache at config.cache_dir (again, if the setting changed)."""
+    global _configured_dir, _listening
+    want = config.cache_dir or ""
+    with _lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_on_event)
+            _listening = True
+        if want == _configured_dir:
+            return want
+        current = jax.config.jax_compilation_cache_dir
+        if _configured_dir is None and current and not want:
+            # The user set up JAX's cache themselves and turned ours off: leave theirs alone.
+            _configured_dir = want
+            return want
+        if want:
+            os.makedirs(want, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", want or None)
+        # JAX opens its cache once per process; make it reopen at the new place.
+        from jax._src import compilation_cache
+        compilation_cache.reset_cache()
+        _configured_dir = want
+    return want
+
+
+@contextlib.contextmanager
+def graph_compile_context():
+    """Around one graph's lower+compile: persistent cache on for it, hits counted."""
+    directory = _configure()
+    hits = Hits()
+    previous = getattr(_tls, "hits", None)
+    _tls.hits = hits
+    try:
+        if directory:
+            with jax_config.persistent_cache_min_compile_time_secs(0.0):
+                yield hits
+        else:
+            yield hits
+    finally:
+        _tls.hits = previous
+
+
+def dump(name: str, gm, lowered, specs, dump_dir: str | None = None) -> None:
+    """Write the graph's FX code and StableHLO text to dump_dir (config.dump_dir by default)."""
+    directory = dump_dir or config.dump_dir
+    if not directory:
+        return
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"{name}.fx.py"), "w") as f:
+        f.write(f"# torchneuron torch.compile graph {name}\n")
+        f.write("# input signature (dtype, sizes, strides, storage offset, storage slot, storage numel):\n")
+        for i, spec in enumerate(specs):
+            f.write(f"#   {i}: {spec}\n")
+        f.write(gm.print_readable(print_output=False, include_stride=True, include_device=True))
+    with open(os.path.join(directory, f"{name}.stablehlo.mlir"), "w") as f:
+        f.write(lowered.as_text())
