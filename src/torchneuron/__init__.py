@@ -44,6 +44,9 @@ def register() -> None:
         _setup_privateuseone_for_python_backend(
             "neuron", backend_module=device_module, hook=_Hooks(), device_guard=_Guard())
     registration.register_all()
+    from .config import observe
+    from .eager import adaptive
+    observe("eager_mode", adaptive._apply_mode)
     printing.install()
     # The `neuron` c10d backend: a registry entry only (torch.distributed is already imported).
     from . import distributed
@@ -58,6 +61,18 @@ def register() -> None:
 def _autoload() -> None:
     """Entry point for ``torch.backends``: runs during ``import torch``."""
     register()
+
+
+def set_eager_mode(mode: str) -> None:
+    """Switch eager execution between ``"plain"`` (one executable per op) and ``"adaptive"``."""
+    from .eager import adaptive
+    adaptive.set_eager_mode(mode)
+
+
+def eager_mode(mode: str):
+    """Context manager: run a block in the given eager mode."""
+    from .eager import adaptive
+    return adaptive.eager_mode(mode)
 
 
 def __getattr__(name):

@@ -24,6 +24,15 @@ def _default_cache_dir() -> str:
     return os.path.join(base, "torchneuron")
 
 
+# Settings whose change must take effect at once (eager_mode switches the kernels' recorder).
+_OBSERVERS: dict = {}
+
+
+def observe(name: str, callback) -> None:
+    _OBSERVERS[name] = callback
+    callback(getattr(config, name))
+
+
 @dataclass
 class Config:
     # PJRT platform the neuron device runs on: cpu, cuda, tpu or neuron (a PJRT plugin).
@@ -51,6 +60,9 @@ class Config:
                 f"(environment variable TORCHNEURON_{name.upper()})"
             )
         super().__setattr__(name, value)
+        observer = _OBSERVERS.get(name)
+        if observer is not None:
+            observer(value)
 
     def non_defaults(self) -> dict:
         """Settings that differ from their defaults (for reports and version manifests)."""

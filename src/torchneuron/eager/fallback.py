@@ -140,6 +140,8 @@ def cpu_fallback(op, args, kwargs):
             "CPU, or avoid the op."
         )
     metrics.fallbacks[short] += 1
+    from . import adaptive
+    adaptive.flush("fallback")  # the CPU kernel needs the values of everything recorded so far
     if config.fallback == "warn" and short not in _warned:
         _warned.add(short)
         warnings.warn(

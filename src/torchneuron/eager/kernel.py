@@ -76,13 +76,18 @@ def device_mismatch_error(other: torch.Tensor, device_index: int) -> RuntimeErro
 
 
 class Executable:
-    __slots__ = ("call", "out_specs", "writes", "op_name")
+    __slots__ = ("traced", "call", "out_specs", "writes", "op_name")
 
-    def __init__(self, call, out_specs, writes, op_name):
-        self.call = call
+    def __init__(self, traced, out_specs, writes, op_name):
+        self.traced = traced          # the pure function of (buffers..., runtime scalars...)
+        self.call = None              # its jitted form, made on the first plain-eager call
         self.out_specs = out_specs    # per new output: (torch dtype, sizes, strides) or None
-        self.writes = writes          # number of mutated buffers returned after the outputs
+        self.writes = writes          # buffer slots written (returned after the new outputs)
         self.op_name = op_name
+
+
+# The adaptive-eager recorder while that mode is on (see eager/adaptive.py), else None.
+recorder = None
 
 
 _cache: dict = {}
@@ -173,8 +178,11 @@ class Kernel:
         key = (self, tuple(specs), statics, tuple(ctx.storages))
         exe = _cache.get(key)
         if exe is None:
-            exe, results = self._compile(key, values, specs, bufs, runtime, ctx)
-            _cache[key] = exe
+            exe = _cache[key] = self._plan(values, specs, ctx)
+        if recorder is not None:   # adaptive eager: record now, run fused at the next sync point
+            return recorder.record(self, exe, key, values, ctx)
+        if exe.call is None:
+            results = self._first_call(exe, bufs, runtime, values)
         else:
             metrics.cache_hits += 1
             results = exe.call(*bufs, *runtime)
@@ -194,6 +202,10 @@ class Kernel:
         for slot in exe.writes:
             _records[addrs[slot]].buf = results[k]
             k += 1
+        return self.returned(outs, values)
+
+    def returned(self, outs, values):
+        """What the op returns: its new outputs, and the mutated inputs its schema aliases."""
         if self.returns_list:
             return outs
         returned = []
@@ -209,7 +221,8 @@ class Kernel:
         return returned[0] if len(returned) == 1 else tuple(returned)
 
     # -- compile on a miss ----------------------------------------------------------------------
-    def _compile(self, key, values, specs, bufs, runtime, ctx):
+    def _plan(self, values, specs, ctx):
+        """Shapes, dtypes and the traced body of this call's executable (not compiled yet)."""
         meta_out = self._run_meta(values)
         new_meta = _new_outputs(self, meta_out)
         out_specs = []
@@ -235,6 +248,10 @@ class Kernel:
         if self.promote_idx is not None:
             promote_dtype = self._promotion_dtype(values, new_meta, meta_out)
         traced = _Traced(self, specs, values, out_specs, write_targets, writes, promote_dtype, ctx)
+        return Executable(traced, out_specs, writes, self.short_name)
+
+    def _first_call(self, exe, bufs, runtime, values):
+        traced = exe.traced
 
         def run(*flat):  # a plain function: jit's dispatch is slower for callable objects
             return traced(*flat)
@@ -253,7 +270,8 @@ class Kernel:
             ) from err
         metrics.compile_seconds += time.perf_counter() - start
         metrics.executables_compiled += 1
-        return Executable(jitted, out_specs, writes, self.short_name), results
+        exe.call = jitted
+        return results
 
     def _run_meta(self, values):
         meta_values = [_to_meta(v) for v in values]

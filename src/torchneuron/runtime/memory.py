@@ -173,8 +173,23 @@ def record_of(t: torch.Tensor) -> StorageRecord:
     return rec
 
 
+class _Pending:
+    """Marks a storage whose buffer a pending adaptive-eager region will produce."""
+
+    def __repr__(self):
+        return "<pending adaptive-eager buffer>"
+
+
+PENDING = _Pending()
+# Set by adaptive eager: runs the pending region so that PENDING buffers become real.
+flush_pending = None
+
+
 def empty_buffer(rec: StorageRecord):
-    """The buffer of a storage nobody has written yet: zeros, created on first read."""
+    """The storage's buffer for a host-side reader: zeros if nobody wrote it yet, and the result of
+    the pending adaptive-eager region if one is producing it."""
+    if rec.buf is PENDING:
+        flush_pending("host read")
     if rec.buf is None:
         rec.buf = jax_put(np.zeros(rec.numel, dtype=jax_dtype(rec.dtype)), rec.device_index)
     return rec.buf

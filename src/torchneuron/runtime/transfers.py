@@ -102,6 +102,8 @@ def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
     # host -> device
     if self.numel() == 0:
         return self
+    if memory.flush_pending is not None:
+        memory.flush_pending("host write")  # a pending region may still write this storage
     host_src = src.detach().to(self.dtype)
     if tuple(host_src.shape) != tuple(self.shape):
         host_src = host_src.expand(self.shape)
