@@ -88,3 +88,15 @@ def test_save_load_tensors_modules_optimizer(tmp_path):
     # without map_location the tensors come back on neuron
     again = torch.load(io.BytesIO(path.read_bytes()))
     assert again["t"].device.type == "neuron" and torch.equal(again["t"].cpu(), t.cpu())
+
+
+def test_module_to_keeps_tied_parameters_tied():
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head}).to("neuron")
+    assert model["emb"].weight is model["head"].weight
+    assert len(list(model.parameters())) == 1
+    with torch.no_grad():
+        model["emb"].weight.mul_(0)
+    assert model["head"].weight.abs().sum().item() == 0

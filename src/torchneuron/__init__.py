@@ -24,7 +24,7 @@ def register() -> None:
 
     from .eager import registration
     from .runtime import device as device_module
-    from .runtime import printing, serialization
+    from .runtime import modules, printing, serialization
 
     class _Hooks(torch._C._acc.PrivateUse1Hooks):
         def is_available(self) -> bool:
@@ -48,6 +48,7 @@ def register() -> None:
     from .eager import adaptive
     observe("eager_mode", adaptive._apply_mode)
     printing.install()
+    modules.install()
     # The `neuron` c10d backend: a registry entry only (torch.distributed is already imported).
     from . import distributed
     distributed.register()
