@@ -83,3 +83,24 @@ def test_no_session_no_hooks_and_empty_summary():
     (torch.ones(2).to("neuron") + 1).sum()
     assert _untraced() and profiler.stats() == []
     assert "no neuron activity" in profiler.summary(file=None)
+
+
+def test_torch_compile_graphs_appear_as_ranges(tmp_path):
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU()).to("neuron")
+    compiled = torch.compile(model, backend="neuron", dynamic=False)
+    x = torch.randn(2, 6).to("neuron")
+    with torch.profiler.profile() as prof, torch.no_grad():
+        compiled(x)
+        compiled(x)
+    assert _untraced()
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"}
+    graphs = {n for n in names if n.startswith("neuron::graph::")}
+    assert len(graphs) == 1, sorted(n for n in names if n.startswith("neuron::"))
+    (graph,) = graphs
+    assert "neuron::compile::" + graph.removeprefix("neuron::") in names
+    assert "neuron::addmm" not in names          # the Linear ran inside the graph, not op by op
+    (row,) = [r for r in profiler.stats() if r["path"] == "graph"]
+    assert row["calls"] == 2 and row["compiles"] == 1

@@ -326,6 +326,9 @@ def test_compile_and_fallback_thresholds():
     report = analyze.build(every)
     assert kinds(report) == ["recompiles_every_step"]
     assert "size mismatch" in report["findings"][0]["detail"]
+    varied = {f"0/{i}: tensor 'x' size mismatch at index 0. expected {i}, actual {i + 1}": 1 for i in range(4)}
+    assert analyze._top_pattern({**varied, "call to print": 2}) == ("0/0: tensor 'x' size mismatch at index 0. "
+                                                                    "expected 0, actual 1", 4)
     some = _synthetic_run([_step(compiles=5)] + [_step(compiles=1)] * 2 + [_step()] * 5)
     assert kinds(analyze.build(some)) == ["steady_compiles"]
     # A fallback only during set-up is a warning; graph breaks are reported with their reasons.

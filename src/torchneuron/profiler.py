@@ -1,9 +1,10 @@
 """torch.profiler integration and the tracer behind it.
 
-While a ``torch.profiler`` session records, every neuron op, executable compile, CPU fallback and
-host<->device copy appears as a named range (``neuron::<op>``, ``neuron::compile::<op>``,
-``neuron::fallback::<op>``, ``neuron::h2d`` / ``neuron::d2h``) in its traces, and per-op statistics
-are gathered for :func:`summary`.
+While a ``torch.profiler`` session records, every neuron op, executable compile, CPU fallback,
+torch.compile graph and host<->device copy appears as a named range (``neuron::<op>``,
+``neuron::compile::<op>``, ``neuron::fallback::<op>``, ``neuron::graph::<name>``,
+``neuron::h2d`` / ``neuron::d2h``) in its traces, and per-op statistics are gathered for
+:func:`summary`.
 
 The same tracer serves the migration-readiness report (call sites of the first call of each op,
 failures, fallback transfer costs). It is installed on ``metrics.tracer`` only while someone needs
@@ -147,6 +148,37 @@ class Tracer:
             if col is not None:
                 col.transfer(direction, nbytes)
 
+    def graph(self, program, call, args):
+        """A torch.compile graph (one executable) running on neuron."""
+        if not self.timing:
+            return call(program, *args)
+        name = "graph::" + program.name
+        stat = self._stat(name, "graph")
+        rng = self._enter("neuron::" + name) if self.ranges else None
+        start = time.perf_counter_ns()
+        try:
+            return call(program, *args)
+        finally:
+            stat.calls += 1
+            stat.total_ns += time.perf_counter_ns() - start
+            if rng is not None:
+                rng.__exit__(None, None, None)
+
+    def graph_compile(self, program, compile_fn, args):
+        if not self.timing:
+            return compile_fn(program, *args)
+        name = "graph::" + program.name
+        stat = self._stat(name, "graph")
+        rng = self._enter("neuron::compile::" + name) if self.ranges else None
+        start = time.perf_counter_ns()
+        try:
+            return compile_fn(program, *args)
+        finally:
+            stat.compiles += 1
+            stat.compile_ns += time.perf_counter_ns() - start
+            if rng is not None:
+                rng.__exit__(None, None, None)
+
     def float64(self, op_name):
         col = self.collector
         if col is not None and op_name not in col.float64_sites:
@@ -177,7 +209,7 @@ def tracer() -> Tracer:
 
 def update() -> None:
     """Install the tracer on the metrics registry exactly while something needs it."""
-    from .eager import fallback, kernel  # noqa: F401  (fallback reads metrics.tracer itself)
+    from .eager import kernel
 
     t = _tracer
     needed = t.collector is not None or t.ranges or t.timing
@@ -186,6 +218,38 @@ def update() -> None:
         t._range = torch._C._profiler._RecordFunctionFast
     metrics.tracer = t if needed else None
     kernel.set_tracing(needed)
+    _set_graph_tracing(needed)
+
+
+_graph_plain = None
+
+
+def _set_graph_tracing(on: bool) -> None:
+    """Route torch.compile graphs (compile.graph.GraphProgram) through the tracer, as kernels are."""
+    global _graph_plain
+    from .compile import graph
+
+    program = graph.GraphProgram
+    if _graph_plain is None:
+        _graph_plain = (program.__call__, program._compile)
+    call, compile_fn = _graph_plain
+    if not on:
+        program.__call__, program._compile = call, compile_fn
+        return
+
+    def traced_call(prog, *args):
+        tracer = metrics.tracer
+        if tracer is None:
+            return call(prog, *args)
+        return tracer.graph(prog, call, args)
+
+    def traced_compile(prog, *args):
+        tracer = metrics.tracer
+        if tracer is None:
+            return compile_fn(prog, *args)
+        return tracer.graph_compile(prog, compile_fn, args)
+
+    program.__call__, program._compile = traced_call, traced_compile
 
 
 def attach_collector(collector) -> None:

@@ -7,6 +7,7 @@ compared anywhere.
 from __future__ import annotations
 
 import math
+import re
 import time
 
 REPORT_SCHEMA = "torchneuron.report/1"
@@ -373,8 +374,8 @@ def findings(run, baseline, sections, warmup) -> list[dict]:
             detail += f"; torch.compile recompiles: {sum(recompile_reasons.values())}"
         detail += "). Changing shapes? Pad or bucket them (torchneuron.pad_to_multiple)."
         if recompile_reasons:
-            top = max(recompile_reasons.items(), key=lambda kv: kv[1])[0]
-            detail += f" Most common recompile reason: {top}"
+            pattern, count = _top_pattern(recompile_reasons)
+            detail += f" Most common recompile reason ({count}×): {pattern}"
         out.append(_finding("blocker", "recompiles_every_step", "Compiles in (almost) every step", detail))
     else:
         if hits >= MIN_STEADY_HITS:
@@ -441,6 +442,16 @@ def findings(run, baseline, sections, warmup) -> list[dict]:
     order = {"blocker": 0, "warning": 1}
     out.sort(key=lambda f: order[f["severity"]])
     return out
+
+
+def _top_pattern(reasons: dict) -> tuple[str, int]:
+    """The most frequent reason, with numbers folded ("expected 3, actual 5" and "expected 5, actual 7"
+    are one pattern); shown as its first concrete instance."""
+    groups: dict[str, list] = {}
+    for reason, n in reasons.items():
+        g = groups.setdefault(re.sub(r"\d+", "#", reason), [reason, 0])
+        g[1] += n
+    return max(groups.values(), key=lambda g: g[1])
 
 
 def _budget_explains(run, baseline, value) -> bool:
