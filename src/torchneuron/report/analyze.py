@@ -451,7 +451,8 @@ def _top_pattern(reasons: dict) -> tuple[str, int]:
     for reason, n in reasons.items():
         g = groups.setdefault(re.sub(r"\d+", "#", reason), [reason, 0])
         g[1] += n
-    return max(groups.values(), key=lambda g: g[1])
+    reason, count = max(groups.values(), key=lambda g: g[1])
+    return reason, count
 
 
 def _budget_explains(run, baseline, value) -> bool:
