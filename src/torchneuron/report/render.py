@@ -36,6 +36,8 @@ def fmt_s(s) -> str:
         return "–"
     if isinstance(s, str):
         return s
+    if s < 0:
+        return "-" + fmt_s(-s)
     if s >= 1:
         return f"{s:.2f} s"
     if s >= 1e-3:
@@ -218,7 +220,8 @@ def _compilation(b, report):
         wpc = w.get("persistent_cache") or {}
         rows.append(["Warm start: executables compiled", f"{w['executables_compiled']} ({fmt_s(w['compile_seconds'])})"])
         rows.append(["Warm start: persistent cache hits",
-                     f"{wpc.get('cache_hits', 0)} (saved {fmt_s(wpc.get('seconds_saved', 0.0))})"])
+                     f"{wpc.get('cache_hits', 0)} (compile time saved: {fmt_s(wpc.get('seconds_saved', 0.0))}, "
+                     "as JAX measures it)"])
         rows.append(["Warm start: first step", fmt_s(w["first_step_seconds"])])
     b.append(("table", ["Measure", "Value"], rows))
     for key, label in (("graph_breaks", "Graph break reasons"), ("recompiles", "Recompile reasons"),
