@@ -8,6 +8,8 @@ copied back, and the op is counted and warned about once (``TORCHNEURON_FALLBACK
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import warnings
 
@@ -27,6 +29,18 @@ _warned: set[str] = set()
 _SKIP_DECOMPOSITION = {
     "aten::_to_copy", "aten::copy_", "aten::lift_fresh", "aten::item", "aten::_local_scalar_dense",
 }
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _caller_stacklevel() -> int:
+    """warnings.warn's stacklevel for the first frame outside torchneuron (the op's caller), however
+    many torchneuron frames (fallback entry, tracer) lie in between."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class FallbackError(RuntimeError):
@@ -147,7 +161,7 @@ def cpu_fallback(op, args, kwargs):
         warnings.warn(
             f"torchneuron: {name} is not lowered for neuron; it runs on CPU (inputs copied to host "
             "and results back). Set TORCHNEURON_FALLBACK=error to make this an error, or =silent.",
-            stacklevel=3,
+            stacklevel=_caller_stacklevel(),
         )
     device = _device_of(args, kwargs)
     originals = {}

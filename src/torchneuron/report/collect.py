@@ -298,9 +298,9 @@ class Collector:
         source = "explicit" if self.explicit_seen else ("optimizer" if self.boundaries else None)
         bounds = [b for b in self.boundaries if b["source"] == source]
         steps = []
+        # The first step counts from the start (of the script, or of the check() block) in every run,
+        # so cold starts compare like for like: imports, set-up, uploads and compiles included.
         prev_t = self.t_start
-        if self.t_first_activity is not None and bounds and self.t_first_activity < bounds[0]["t"]:
-            prev_t = self.t_first_activity
         prev_snap = self.start_snapshot
         for b in bounds:
             d = _delta(b["snap"], prev_snap)

@@ -263,7 +263,9 @@ def _performance(b, report):
     source = "torchneuron.step()" if p["step_source"] == "explicit" else "optimizer.step()"
     b.append(("p", [f"{p['steps']} steps marked by ", Code(source),
                     f"; the first {p['warmup']} are warm-up, the rest steady state. The first step runs from "
-                    "the first neuron op to the first step mark, so it includes uploads and compiles."]))
+                    "the start of the script to the first step mark, so it includes set-up, uploads and compiles"
+                    + (f" (the first neuron op ran at {fmt_s(p['first_activity_seconds'])})."
+                       if p.get("first_activity_seconds") is not None else ".")]))
     s = p["steady"]
     base = p.get("baseline")
     bs = base["steady"] if base else None

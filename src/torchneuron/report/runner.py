@@ -54,14 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.load(f)
     kind, target, user_argv = _parse_command(argv[2:])
 
-    import torchneuron  # registers the device before the script sees torch
+    import torchneuron  # noqa: F401  (registers the device before the script sees torch)
 
     from . import collect
     from .devmap import DeviceMap
 
-    if spec.get("settings"):
-        for key, value in spec["settings"].items():
-            setattr(torchneuron.config, key, value)
     devmap = DeviceMap(spec["device_map"]).install() if spec.get("device_map") else None
     collector = collect.Collector(role=spec["role"], max_steps=spec.get("steps"), sync=spec.get("sync", True),
                                   rtol=spec.get("rtol", 1e-3), atol=spec.get("atol", 1e-5))
