@@ -579,11 +579,10 @@ def _output_device(values, kernel) -> int:
 
 # -- tracing (torch.profiler ranges, readiness-report call sites) ---------------------------------
 # Swapped in only while metrics.tracer is installed (torchneuron.profiler.update), so the plain hot
-# path pays nothing, not even a None check. The compile hook wraps the method that jits and compiles
-# on a cache miss (``_first_call``; ``_compile`` before planning and compiling were split).
-_COMPILE = "_first_call" if hasattr(Kernel, "_first_call") else "_compile"
+# path pays nothing, not even a None check. The compile hook wraps the cache-miss path that jits,
+# compiles and first runs an executable.
 _plain_call = Kernel.__call__
-_plain_compile = getattr(Kernel, _COMPILE)
+_plain_compile = Kernel._first_call
 
 
 def _traced_call(self, *args, **kwargs):
@@ -602,4 +601,4 @@ def _traced_compile(self, *args):
 
 def set_tracing(on: bool) -> None:
     Kernel.__call__ = _traced_call if on else _plain_call
-    setattr(Kernel, _COMPILE, _traced_compile if on else _plain_compile)
+    Kernel._first_call = _traced_compile if on else _plain_compile
