@@ -1,5 +1,6 @@
 """The neuron device is a first-class PyTorch device: torch.device, torch.accelerator, torch.neuron."""
 
+import os
 import subprocess
 import sys
 
@@ -61,3 +62,33 @@ def test_missing_platform_plugin_names_it():
             "try:\n    torch.zeros(1, device='neuron')\nexcept RuntimeError as e:\n    print('ERR', e)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "ERR" in out.stdout and "TORCHNEURON_PLATFORM='tpu'" in out.stdout and "libtpu" in out.stdout
+
+
+def test_two_devices_keep_data_where_it_was_put():
+    # The CPU PJRT platform can expose several devices; each neuron:<i> must map to its own.
+    code = """
+import torch, torchneuron
+from torchneuron.runtime import memory
+assert torch.neuron.device_count() == 2
+a = torch.ones(3, device="neuron:1")
+b = a * 2
+z = torch.arange(4, device="neuron:1")
+assert b.device == z.device == torch.device("neuron:1")
+for t in (a, b, z):
+    assert [d.id for d in memory.record_of(t).buf.devices()] == [1]
+with torch.neuron.device(1):
+    assert torch.zeros(2, device="neuron").device.index == 1
+try:
+    a + torch.ones(3, device="neuron:0")
+    raise SystemExit("mixing devices must fail")
+except RuntimeError as e:
+    assert "neuron:1 and neuron:0" in str(e)
+c = b.to("neuron:0")
+assert c.device.index == 0 and c.cpu().tolist() == [2.0, 2.0, 2.0]
+assert torch.neuron.memory_allocated(1) > 0 and torch.neuron.memory_allocated(0) > 0
+print("ok")
+"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"

@@ -175,14 +175,16 @@ class Kernel:
         if random:
             gen = rng.generator(ctx.device_index if ctx.device_index is not None else _current_device())
             runtime.extend(gen.next_key_inputs())
-        key = (self, tuple(specs), statics, tuple(ctx.storages))
+        if ctx.device_index is None:   # no tensor inputs (factories): the device argument decides
+            ctx.device_index = _output_device(values, self)
+        key = (self, tuple(specs), statics, tuple(ctx.storages), ctx.device_index)
         exe = _cache.get(key)
         if exe is None:
             exe = _cache[key] = self._plan(values, specs, ctx)
         if recorder is not None:   # adaptive eager: record now, run fused at the next sync point
             return recorder.record(self, exe, key, values, ctx)
         if exe.call is None:
-            results = self._first_call(exe, bufs, runtime, values)
+            results = self._first_call(exe, bufs, runtime, values, ctx.device_index)
         else:
             metrics.cache_hits += 1
             results = exe.call(*bufs, *runtime)
@@ -250,13 +252,15 @@ class Kernel:
         traced = _Traced(self, specs, values, out_specs, write_targets, writes, promote_dtype, ctx)
         return Executable(traced, out_specs, writes, self.short_name)
 
-    def _first_call(self, exe, bufs, runtime, values):
+    def _first_call(self, exe, bufs, runtime, values, device_index):
         traced = exe.traced
 
         def run(*flat):  # a plain function: jit's dispatch is slower for callable objects
             return traced(*flat)
 
-        jitted = jax.jit(run)
+        # Results live on the op's device even when no input buffer pins it (factories, ops that
+        # overwrite their only input).
+        jitted = jax.jit(run, out_shardings=_sharding(device_index))
         # The first call traces and compiles; later calls take jit's C++ dispatch fast path
         # (a Compiled object's own __call__ is a much slower Python path).
         start = time.perf_counter()
@@ -290,15 +294,26 @@ class Kernel:
     def _shape_from_lowering(self, values):
         # No meta kernel: ask JAX for the output shapes of the lowering itself.
         spec_args = [_to_shape_struct(v) for v in values]
-        pos = [v for v, kw in zip(spec_args, self.kwarg_only) if not kw]
-        kw = {n: v for n, v, k in zip(self.arg_names, spec_args, self.kwarg_only) if k}
-        if self.lowering.random:
-            kw["key"] = jax.random.key(0)
-        out = jax.eval_shape(lambda: self.lowering.fn(*pos, **kw))
+        # Tensors (and tensor lists) are traced; static arguments stay Python values.
+        traced = [i for i, v in enumerate(spec_args) if _is_shape_tree(v)]
+
+        def run(*arrays):
+            args = list(spec_args)
+            for i, a in zip(traced, arrays):
+                args[i] = a
+            pos = [v for v, kw in zip(args, self.kwarg_only) if not kw]
+            kw = {n: v for n, v, k in zip(self.arg_names, args, self.kwarg_only) if k}
+            if self.lowering.random:
+                kw["key"] = jax.random.key(0)
+            return self.lowering.fn(*pos, **kw)
+
+        out = jax.eval_shape(run, *[spec_args[i] for i in traced])
         outs = out if isinstance(out, list | tuple) else (out,)
         from ..runtime.dtypes import torch_dtype
         metas = [torch.empty(o.shape, dtype=torch_dtype(o.dtype), device="meta") for o in outs]
-        return metas if (self.returns_list or len(metas) > 1) else metas[0]
+        if self.returns_list:
+            return metas
+        return tuple(metas) if len(metas) > 1 else metas[0]
 
     def _promotion_dtype(self, values, new_meta, meta_out):
         if self.lowering.promote == "result":
@@ -547,6 +562,13 @@ def _to_shape_struct(v):
     return v
 
 
+def _is_shape_tree(v) -> bool:
+    if isinstance(v, list | tuple):
+        return bool(v) and all(x is None or isinstance(x, jax.ShapeDtypeStruct) for x in v) \
+            and any(x is not None for x in v)
+    return isinstance(v, jax.ShapeDtypeStruct)
+
+
 def _describe(values) -> str:
     parts = []
     for v in values:
@@ -560,6 +582,11 @@ def _describe(values) -> str:
 
 
 describe_args = _describe
+
+
+def _sharding(device_index: int):
+    from ..runtime import pjrt
+    return jax.sharding.SingleDeviceSharding(pjrt.device(device_index))
 
 
 def _current_device() -> int:

@@ -195,6 +195,11 @@ def empty_buffer(rec: StorageRecord):
     return rec.buf
 
 
+def pjrt_device(device_index: int):
+    from . import pjrt
+    return pjrt.device(device_index)
+
+
 def jax_put(array, device_index: int):
     import jax
 

@@ -98,6 +98,12 @@ def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
             self.copy_(torch_from_host(to_host(src)))
         return self
     if src.device.type == "neuron":
+        if src.device != self.device:
+            # Between neuron devices: move the logical array, then copy on the destination.
+            index = self.device.index or 0
+            moved = jax.device_put(device_array(src), memory.pjrt_device(index))
+            src = memory.new_buffer_tensor(moved.reshape(-1), src.dtype, index, tuple(src.shape),
+                                           memory.contiguous_strides(tuple(src.shape)))
         return _device_copy(self, src)
     # host -> device
     if self.numel() == 0:
