@@ -178,6 +178,7 @@ def _model():
     return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(8, 4).to("neuron")
 
 
+@pytest.mark.filterwarnings("ignore:torchneuron. aten..histc is not lowered")
 def test_check_context_manager_and_baseline_drift(tmp_path):
     model, opt, x = _model()
     with torchneuron.check(str(tmp_path / "a")) as chk:
