@@ -203,10 +203,6 @@ _lock = threading.Lock()
 _explicit = False   # enable() was called: keep timing between profiler sessions
 
 
-def tracer() -> Tracer:
-    return _tracer
-
-
 def update() -> None:
     """Install the tracer on the metrics registry exactly while something needs it."""
     from .eager import kernel
@@ -227,6 +223,8 @@ _graph_plain = None
 def _set_graph_tracing(on: bool) -> None:
     """Route torch.compile graphs (compile.graph.GraphProgram) through the tracer, as kernels are."""
     global _graph_plain
+    if not on and _graph_plain is None:
+        return          # never swapped: nothing to restore
     from .compile import graph
 
     program = graph.GraphProgram
