@@ -6,6 +6,7 @@ import io
 import json
 import warnings
 
+import pytest
 import torch
 
 import torchneuron
@@ -75,7 +76,7 @@ def test_summary_table_counts_calls_and_compiles():
     assert by_op["add.Tensor"][1:3] == ["native", "4"] and by_op["add.Tensor"][5] == "1"   # 4 calls, 1 compile
     assert by_op["mul.Tensor"][1:3] == ["native", "1"]
     stats = {r["op"]: r for r in profiler.stats()}
-    assert stats["add.Tensor"]["mean_us"] == stats["add.Tensor"]["total_ms"] * 1e3 / 4
+    assert stats["add.Tensor"]["mean_us"] == pytest.approx(stats["add.Tensor"]["total_ms"] * 1e3 / 4)
 
 
 def test_no_session_no_hooks_and_empty_summary():
