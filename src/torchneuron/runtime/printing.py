@@ -10,7 +10,9 @@ _original_str_intern = tensor_str._str_intern
 
 
 def _str_intern(inp, *, tensor_contents=None):
-    if (tensor_contents is None and isinstance(inp, torch.Tensor) and inp.device.type == "neuron"
+    # Only real neuron tensors (plain Tensors and Parameters): fake/functional subclasses that merely
+    # report device neuron (Dynamo, AOTAutograd logging) have no data to copy.
+    if (tensor_contents is None and type(inp) in (torch.Tensor, torch.nn.Parameter) and inp.device.type == "neuron"
             and inp.layout == torch.strided and not torch._C._functorch.is_functorch_wrapped_tensor(inp)):
         host = inp.detach().cpu()
         tensor_contents = tensor_str._tensor_str(host, len("tensor("))
