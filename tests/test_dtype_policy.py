@@ -71,3 +71,21 @@ def test_float64_keep_setting(monkeypatch):
 def test_unsupported_dtype_is_a_clear_error():
     with pytest.raises(TypeError, match="not supported on the neuron device"):
         torch.ones(2, dtype=torch.float8_e4m3fn).to("neuron")
+
+
+def test_autocast_runs_matmuls_in_low_precision_and_keeps_gradients_float32():
+    torch.manual_seed(0)
+    a = torch.randn(8, 8)
+    w = torch.randn(8, 8, requires_grad=True)
+    wn = w.detach().to("neuron").requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = torch.nn.functional.linear(a, w)
+    with torch.autocast("neuron", dtype=torch.bfloat16):
+        out = torch.nn.functional.linear(a.to("neuron"), wn)
+        assert torch.exp(out).dtype == torch.float32  # float32-policy ops run in float32
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert_same(out, ref, rtol=2e-2, atol=2e-2)
+    out.float().sum().backward()
+    ref.float().sum().backward()
+    assert wn.grad.dtype == torch.float32
+    assert_same(wn.grad, w.grad, rtol=2e-2, atol=5e-2)

@@ -24,7 +24,7 @@ def register() -> None:
 
     from .eager import registration
     from .runtime import device as device_module
-    from .runtime import modules, printing, serialization
+    from .runtime import autocast, modules, printing, serialization
 
     class _Hooks(torch._C._acc.PrivateUse1Hooks):
         def is_available(self) -> bool:
@@ -49,6 +49,7 @@ def register() -> None:
     observe("eager_mode", adaptive._apply_mode)
     printing.install()
     modules.install()
+    autocast.install()
     # The `neuron` c10d backend: a registry entry only (torch.distributed is already imported).
     from . import distributed
     distributed.register()

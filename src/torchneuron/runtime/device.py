@@ -267,6 +267,17 @@ def stream(stream):
     return _noop()
 
 
+# -- autocast and dtype capabilities -------------------------------------------------------------
+def get_amp_supported_dtype() -> list:
+    """Dtypes ``torch.autocast("neuron", dtype=...)`` accepts (the lowerings run both natively)."""
+    return [torch.bfloat16, torch.float16]
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    # Asked by transformers/accelerate (bf16 mixed precision) as torch.cuda.is_bf16_supported is.
+    return True
+
+
 # -- storage resizing (FSDP2 frees and re-allocates unsharded parameters this way) ----------------
 # PyTorch routes UntypedStorage.resize_ on PrivateUse1 to a C++ hook that a Python backend cannot
 # implement, so neuron storages are handled here and every other storage keeps PyTorch's method.
@@ -296,3 +307,13 @@ def install_storage_resize() -> None:
 
 def platform() -> str:
     return config.platform
+
+
+# -- autocast -------------------------------------------------------------------------------------
+def get_amp_supported_dtype() -> list:
+    """Lower-precision dtypes ``torch.autocast("neuron", dtype=...)`` accepts."""
+    return [torch.bfloat16, torch.float16]
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True
