@@ -307,13 +307,3 @@ def install_storage_resize() -> None:
 
 def platform() -> str:
     return config.platform
-
-
-# -- autocast -------------------------------------------------------------------------------------
-def get_amp_supported_dtype() -> list:
-    """Lower-precision dtypes ``torch.autocast("neuron", dtype=...)`` accepts."""
-    return [torch.bfloat16, torch.float16]
-
-
-def is_bf16_supported(including_emulation: bool = True) -> bool:
-    return True
