@@ -263,8 +263,9 @@ def _move(sample, leaves=None, name=""):
             return {k: (DEVICE if k == "device" and x[k] in ("cpu", torch.device("cpu")) else mv(e))
                     for k, e in x.items()}
         return _to_device(x, leaves)
+    inp = mv(sample.input)   # leaves are collected in (input, args, kwargs) order, as on CPU
     args = [a if i in keep else mv(a) for i, a in enumerate(sample.args)]
-    return mv(sample.input), args, mv(dict(sample.kwargs))
+    return inp, args, mv(dict(sample.kwargs))
 
 
 def _cpu_leaves(sample):

@@ -196,11 +196,12 @@ def _is_composite_implicit(op) -> bool:
 def _kernel_table() -> dict:
     """ATen overload name -> PrivateUse1 kernel, for everything torchneuron implements."""
     from .. import ops  # noqa: F401  (imports every lowering module)
+    from ..config import config
     from . import host_ops
 
     table = {}
     for name, low in registry.LOWERINGS.items():
-        if low.graph_only:
+        if low.graph_only or (low.platforms is not None and config.platform not in low.platforms):
             continue
         try:
             overload = _overload(name)
@@ -241,7 +242,43 @@ def _kernel_table() -> dict:
     table["resize_.default"] = resize_
     for name in _METADATA_OPS:
         table[name] = _redispatch_cpu(_overload(name))
+    for name, read in _MATH_BIT_FALLTHROUGH.items():
+        if name in table:
+            table[name] = _resolving_math_bits(table[name], read)
     return table
+
+
+# PyTorch lets these ops through its Conjugate/Negative fallbacks with a lazy conj/neg bit still set
+# on an input (CPU and CUDA fold it into the BLAS call); neuron reads raw storages, so it
+# materialises such inputs first. Checking the bits costs ~1 us per tensor, so only these pay it.
+_MATH_BIT_FALLTHROUGH = {   # op -> positions of the tensors it reads
+    "copy_.default": (1,), "_copy_from.default": (0,), "clone.default": (0,), "mm.default": (0, 1),
+    "bmm.default": (0, 1), "dot.default": (0, 1), "vdot.default": (0, 1), "addmm.default": (0, 1, 2),
+    "addmm_.default": (0, 1, 2), "baddbmm.default": (0, 1, 2), "baddbmm_.default": (0, 1, 2),
+    "linalg_solve_triangular.default": (0, 1),
+}
+
+
+def _resolve_bits(v):
+    if isinstance(v, torch.Tensor):
+        # Not resolve_conj(): it copies through copy_, which is one of these kernels.
+        if v.is_conj():
+            v = _kernels["_conj_physical.default"](v.conj())   # conj() of a conj view clears the bit
+        if v.is_neg():
+            v = _kernels["neg.default"](v._neg_view())
+    return v
+
+
+def _resolving_math_bits(kernel, read):
+    def resolved(*args, **kwargs):
+        if any(i < len(args) and _has_bits(args[i]) for i in read):
+            args = [_resolve_bits(a) if i in read else a for i, a in enumerate(args)]
+        return kernel(*args, **kwargs)
+    return resolved
+
+
+def _has_bits(v):
+    return isinstance(v, torch.Tensor) and (v.is_conj() or v.is_neg())
 
 
 def register_all() -> None:

@@ -9,5 +9,7 @@ from . import (  # noqa: F401  (each module registers its lowerings)
     nn,
     reductions,
     shape,
+    special,
+    spectral,
     views,
 )

@@ -298,7 +298,7 @@ for _name, _fn in {
     "erf": jsp.erf, "erfc": jsp.erfc, "erfinv": jsp.erfinv, "reciprocal": jnp.reciprocal,
     "lgamma": jsp.gammaln, "digamma": jsp.digamma, "i0": jsp.i0, "sinc": jnp.sinc,
     "deg2rad": jnp.deg2rad, "rad2deg": jnp.rad2deg, "square": jnp.square,
-    "conj_physical": jnp.conj, "angle": jnp.angle,
+    "conj_physical": jnp.conj, "_conj_physical": jnp.conj, "angle": jnp.angle,
     "special_i0e": jsp.i0e, "special_i1": jsp.i1, "special_i1e": jsp.i1e,
     "special_ndtri": jsp.ndtri, "special_erfcx": jsp.erfcx, "special_ndtr": jsp.ndtr,
     "special_log_ndtr": jsp.log_ndtr,
@@ -345,11 +345,6 @@ def logit(self, eps=None):
     if eps is not None:
         self = jnp.clip(self, eps, 1 - eps)
     return jnp.log(self / (1 - self))
-
-
-@lowering("polygamma.default", promote="result", promote_args=("self",))
-def polygamma(n, self):
-    return jsp.polygamma(n, self)
 
 
 @lowering("mvlgamma.default", promote="result", promote_args=("self",))

@@ -223,10 +223,13 @@ def logsumexp(self, dim, keepdim=False):
     return jax.scipy.special.logsumexp(x, axis=dims(dim, self.ndim), keepdims=keepdim)
 
 
-@lowering("linalg_vector_norm.default")
+@lowering("linalg_vector_norm.default", static_scalars=True)
 def vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
+    # ord picks the algorithm, so it is compiled in (static_scalars), not a runtime input.
     x = self.astype(_accumulate_dtype(self, dtype)) if dtype is not None else self
     x = jnp.abs(x)
+    if x.dtype in (jnp.float16, jnp.bfloat16):
+        x = x.astype(jnp.float32)
     axis = dims(dim, self.ndim)
     if ord == float("inf"):
         return jnp.max(x, axis=axis, keepdims=keepdim)

@@ -35,19 +35,23 @@ class Lowering:
     # Only for graphs (torch.compile): view ops are metadata-only in eager mode, where PyTorch's
     # own kernels build them over the same storage, so they get no eager kernel.
     graph_only: bool = False
+    # PJRT platforms whose JAX lowering of this op exists (e.g. LAPACK-only custom calls); None: all.
+    # Elsewhere the op gets no kernel and runs through the explicit, counted CPU fallback.
+    platforms: tuple[str, ...] | None = None
 
 
 LOWERINGS: dict[str, Lowering] = {}
 
 
 def lowering(*names: str, promote: str | None = None, promote_args=None, static_scalars=False,
-             random=False, overwrites=False, derive_variants=True, mutates=(), graph_only=False):
+             random=False, overwrites=False, derive_variants=True, mutates=(), graph_only=False,
+             platforms=None):
     """Register ``fn`` as the lowering of each ATen overload in ``names`` ("add.Tensor")."""
     def register(fn):
         for name in names:
             add(Lowering(name, fn, promote, tuple(promote_args) if promote_args else None,
                          static_scalars, random, overwrites, derive_variants, tuple(mutates),
-                         graph_only))
+                         graph_only, tuple(platforms) if platforms else None))
         return fn
     return register
 
