@@ -57,6 +57,8 @@ def register() -> None:
     serialization.install()
     from . import profiler
     profiler.install_hooks()   # neuron ranges in torch.profiler traces
+    from . import integrations
+    integrations.install()     # transformers/accelerate device probes, DataLoader pinning
     _registered = True
 
 
