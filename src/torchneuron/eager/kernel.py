@@ -278,6 +278,8 @@ class Kernel:
         return results
 
     def _run_meta(self, values):
+        if self.lowering.shape_from_lowering:
+            return self._shape_from_lowering(values)
         meta_values = [_to_meta(v) for v in values]
         pos = [v for v, kw in zip(meta_values, self.kwarg_only) if not kw]
         kw = {n: v for n, v, k in zip(self.arg_names, meta_values, self.kwarg_only) if k}

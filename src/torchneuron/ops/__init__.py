@@ -4,6 +4,7 @@ from . import (  # noqa: F401  (each module registers its lowerings)
     elementwise,
     factories,
     graph_ops,
+    hf_ops,
     indexing,
     linalg,
     nn,

@@ -38,6 +38,9 @@ class Lowering:
     # PJRT platforms whose JAX lowering of this op exists (e.g. LAPACK-only custom calls); None: all.
     # Elsewhere the op gets no kernel and runs through the explicit, counted CPU fallback.
     platforms: tuple[str, ...] | None = None
+    # Output shapes/dtypes come from tracing the lowering, not the op's meta kernel (for meta
+    # kernels stricter than the CPU kernel, e.g. _grouped_mm's CUDA-only bfloat16 check).
+    shape_from_lowering: bool = False
 
 
 LOWERINGS: dict[str, Lowering] = {}
@@ -45,13 +48,13 @@ LOWERINGS: dict[str, Lowering] = {}
 
 def lowering(*names: str, promote: str | None = None, promote_args=None, static_scalars=False,
              random=False, overwrites=False, derive_variants=True, mutates=(), graph_only=False,
-             platforms=None):
+             platforms=None, shape_from_lowering=False):
     """Register ``fn`` as the lowering of each ATen overload in ``names`` ("add.Tensor")."""
     def register(fn):
         for name in names:
             add(Lowering(name, fn, promote, tuple(promote_args) if promote_args else None,
                          static_scalars, random, overwrites, derive_variants, tuple(mutates),
-                         graph_only, tuple(platforms) if platforms else None))
+                         graph_only, tuple(platforms) if platforms else None, shape_from_lowering))
         return fn
     return register
 
