@@ -107,22 +107,22 @@ def install() -> None:
         counters["graph_break"] = _BreakCounter(current or {})
 
 
-_seen_compiles: set = set()
+_last_compile = None
 
 
 def note_recompile() -> None:
     """Count a Dynamo recompile of the frame being compiled (once per compile), with its reason."""
+    global _last_compile
+    from torch._dynamo.utils import get_metrics_context
     from torch._guards import CompileContext
     compile_id = CompileContext.current_compile_id()
-    if compile_id is None or compile_id in _seen_compiles:
+    context = get_metrics_context()
+    # Compile ids repeat after torch._dynamo.reset(); the start time tells compiles apart.
+    this = (compile_id, getattr(context, "_start_time_ns", None))
+    if compile_id is None or this == _last_compile:
         return
-    _seen_compiles.add(compile_id)
+    _last_compile = this
     if not compile_id.frame_compile_id:
         return
-    reason = None
-    try:
-        from torch._dynamo.utils import get_metrics_context
-        reason = get_metrics_context()._metrics.get("recompile_reason")
-    except Exception:  # noqa: BLE001 - private Dynamo state; the count matters more than the text
-        reason = None
+    reason = getattr(context, "_metrics", {}).get("recompile_reason")
     metrics.recompiles[_reason(reason or "guard failure (reason not recorded by Dynamo)")] += 1

@@ -212,8 +212,13 @@ def user_source(node) -> str:
 def _target_name(node) -> str:
     t = node.target
     if isinstance(t, torch._ops.OpOverload):
-        return str(t._schema.name) + ("." + t._schema.overload_name if t._schema.overload_name else "")
+        return t.name()
     return getattr(t, "__name__", str(t))
+
+
+def _metric_name(node) -> str:
+    """Op names as the other metrics spell them ("add.Tensor", "special_bessel_j0")."""
+    return _target_name(node).removeprefix("aten::")
 
 
 def lowering_error(node, kind, reason) -> NeuronCompileError:
@@ -272,7 +277,7 @@ class GraphProgram:
             err = lowering_error(node, kind, reason)
             if fallback != "eager":
                 raise err
-            self._use_eager([_target_name(n) for n, _ in missing], err)
+            self._use_eager([_metric_name(n) for n, _ in missing], err)
         self.random = any(s.kernel is not None and s.kernel.lowering.random for s in self.steps
                           if s.kind in ("op", "index_put"))
         self.random = self.random or any(s.kind == "foreach" and s.kernel.kernel.lowering.random
@@ -324,14 +329,18 @@ class GraphProgram:
         return steps, constants, missing
 
     def _plan_outputs(self):
-        """How each graph output is produced: an input, a view of one, or a computed value."""
+        """How each graph output is produced: an input, a view of one, or computed.
+
+        Computed outputs are grouped by the (fake) storage they share, so outputs that alias each
+        other (``y`` and ``y.view(-1)``) come back as views of one buffer, as in eager mode.
+        """
         ph_storage = {}
         for i, ph in enumerate(self.placeholders):
             v = ph.meta.get("val")
             if isinstance(v, torch.Tensor) and v.device.type != "cpu":
                 ph_storage.setdefault(StorageWeakRef(v.untyped_storage()), i)
         ph_index = {ph: i for i, ph in enumerate(self.placeholders)}
-        plans, computed, host = [], {}, {}
+        plans, groups, host = [], {}, {}
         for out in _flat_outputs(self.output_node):
             if not isinstance(out, torch.fx.Node):
                 plans.append(("const", out))
@@ -344,23 +353,47 @@ class GraphProgram:
                 plans.append(("value", out))
                 continue
             if val.device.type == "cpu":
-                j = host.setdefault(out, len(host))
-                plans.append(("host", j))
+                plans.append(("host", host.setdefault(out, len(host))))
                 continue
-            src = ph_storage.get(StorageWeakRef(val.untyped_storage()))
-            if src is not None and self.placeholders[src].meta["val"].dtype == val.dtype \
-                    and not self.eager:
+            storage = StorageWeakRef(val.untyped_storage())
+            src = ph_storage.get(storage)
+            if src is not None and self.placeholders[src].meta["val"].dtype == val.dtype:
                 plans.append(("view", src, tuple(val.shape), tuple(val.stride()), val.storage_offset()))
                 continue
-            dtype = device_dtype(val.dtype, "torch.compile output")
-            sizes, strides = tuple(val.shape), tuple(val.stride())
-            if not layout.is_dense(sizes, strides):
-                strides = memory.contiguous_strides(sizes)
-            j = computed.setdefault(out, len(computed))
-            plans.append(("new", j, dtype, sizes, strides))
-        self.computed = list(computed)
+            members = groups.setdefault((storage, val.dtype), {})
+            members.setdefault(out, None)
+            plans.append(("group", (storage, val.dtype), out))
+        # One buffer per group: a lone output gets its own dense layout; aliasing outputs share the
+        # storage, built from the member that covers it (or written member by member).
+        self.buffers = []
+        where = {}
+        for (_storage, torch_dtype), members in groups.items():
+            nodes = list(members)
+            dtype = device_dtype(torch_dtype, "torch.compile output")
+            j = len(self.buffers)
+            if len(nodes) == 1:
+                val = nodes[0].meta["val"]
+                sizes, strides = tuple(val.shape), tuple(val.stride())
+                if not layout.is_dense(sizes, strides):
+                    strides = memory.contiguous_strides(sizes)
+                self.buffers.append(("node", nodes[0], dtype, sizes, strides))
+                where[nodes[0]] = ("buf", j)
+                continue
+            numel = nodes[0].meta["val"].untyped_storage().nbytes() // nodes[0].meta["val"].element_size()
+            cover = next((n for n in nodes if _covers(n.meta["val"], numel)), None)
+            if cover is not None:
+                val = cover.meta["val"]
+                self.buffers.append(("node", cover, dtype, tuple(val.shape), tuple(val.stride())))
+            else:
+                members_layout = [(n, tuple(n.meta["val"].shape), tuple(n.meta["val"].stride()),
+                                   n.meta["val"].storage_offset()) for n in nodes]
+                self.buffers.append(("storage", members_layout, dtype, (numel,), (1,)))
+            for n in nodes:
+                val = n.meta["val"]
+                where[n] = ("buf", j) if n is cover else \
+                    ("alias", j, tuple(val.shape), tuple(val.stride()), val.storage_offset())
         self.host_outputs = list(host)
-        return plans
+        return [where[p[2]] if p[0] == "group" else p for p in plans]
 
     def _hash(self) -> str:
         h = hashlib.sha256()
@@ -415,11 +448,8 @@ class GraphProgram:
 
     def _finish(self, exe, results, args, addrs, device_index, host_inputs):
         dev = device_index if device_index is not None else _current_device()
-        new = [None] * exe.n_new
-        for p in self.outputs:
-            if p[0] == "new" and new[p[1]] is None:
-                _, j, dtype, sizes, strides = p
-                new[j] = memory.new_buffer_tensor(results[j], dtype, dev, sizes, strides)
+        new = [memory.new_buffer_tensor(buf, dtype, dev, sizes, strides)
+               for buf, (_, _, dtype, sizes, strides) in zip(results, self.buffers)]
         k = exe.n_new
         host_vals = list(results[k:k + exe.n_host])
         k += exe.n_host
@@ -439,8 +469,12 @@ class GraphProgram:
         outs = []
         for p in self.outputs:
             kind = p[0]
-            if kind == "new":
+            if kind == "buf":
                 outs.append(new[p[1]])
+            elif kind == "alias":
+                # A real (autograd-visible) view, so in-place updates through it behave as in eager.
+                _, j, sizes, strides, offset = p
+                outs.append(torch.as_strided(new[j], sizes, strides, offset))
             elif kind == "input":
                 outs.append(args[p[1]])
             elif kind == "view":
@@ -478,7 +512,7 @@ class GraphProgram:
         except _NodeFailure as failure:
             err = lowering_error(failure.node, self.kind, f"{type(failure.error).__name__}: {failure.error}")
             if self.fallback == "eager":
-                self._use_eager([_target_name(failure.node)], err)
+                self._use_eager([_metric_name(failure.node)], err)
                 return None
             raise err from failure.error
         seconds = time.perf_counter() - start
@@ -491,7 +525,7 @@ class GraphProgram:
             metrics.graphs_compiled += 1
             metrics.executables_compiled += 1
         cache.dump(name, self.gm, lowered, specs, self.dump_dir)
-        exe = _Executable(compiled, len(self.computed), len(self.host_outputs), fn.writes, fn.host_writes, name)
+        exe = _Executable(compiled, len(self.buffers), len(self.host_outputs), fn.writes, fn.host_writes, name)
         _shared_executables[shared_key] = exe
         return exe
 
@@ -514,6 +548,12 @@ class _NodeFailure(Exception):
         super().__init__(str(error))
         self.node = node
         self.error = error
+
+
+def _covers(val, numel) -> bool:
+    """The fake tensor spans its whole storage densely from offset 0."""
+    sizes, strides = tuple(val.shape), tuple(val.stride())
+    return val.storage_offset() == 0 and val.numel() == numel and layout.is_dense(sizes, strides)
 
 
 def _flat_outputs(output_node):
@@ -561,7 +601,7 @@ def _signature(args):
                 slot = slots.get(addr)
                 if slot is None:
                     slot = slots[addr] = len(bufs)
-                    bufs.append(rec.buf if rec.buf is not None else memory.empty_buffer(rec))
+                    bufs.append(memory.empty_buffer(rec))  # also runs a pending adaptive region
                     addrs.append(addr)
                 specs.append((a.dtype, tuple(a.shape), a.stride(), a.storage_offset(), slot, rec.numel))
             elif dev == "cpu":
@@ -619,12 +659,16 @@ class _Interpreter:
             except Exception as err:  # noqa: BLE001 - reported with the node that failed
                 raise _NodeFailure(step.node, err) from err
         outputs = []
-        for node in p.computed:
-            val = node.meta["val"]
-            plan = next(o for o in p.outputs if o[0] == "new" and p.computed[o[1]] is node)
-            _, _, dtype, sizes, strides = plan
-            value = _cast(jnp.asarray(env[node]), dtype)
-            outputs.append(layout.to_layout(jnp.broadcast_to(value, val.shape), sizes, strides))
+        for kind, what, dtype, sizes, strides in p.buffers:
+            if kind == "node":
+                value = jnp.broadcast_to(_cast(jnp.asarray(env[what]), dtype), what.meta["val"].shape)
+                outputs.append(layout.to_layout(value, sizes, strides))
+                continue
+            storage = jnp.zeros(sizes, jax_dtype(dtype))
+            for node, vsizes, vstrides, voffset in what:
+                value = jnp.broadcast_to(_cast(jnp.asarray(env[node]), dtype), vsizes)
+                storage = layout.write(storage, value, jax_dtype(dtype), vsizes, vstrides, voffset)
+            outputs.append(storage)
         host = [jnp.asarray(env[node]) for node in p.host_outputs]
         # Input mutations: device storages get their new buffers, CPU inputs their new values.
         new_bufs = {}
@@ -769,6 +813,10 @@ def _shaped(value, meta, k):
     if tuple(value.shape) != shape:
         if value.size == int(np.prod(shape)):
             return value.reshape(shape)
+        if value.size == 0:
+            # Eval-mode batch norm's saved statistics: PyTorch's CPU kernels return them empty
+            # while its meta functions say [C]; nothing reads them, so either shape will do.
+            return jnp.zeros(shape, value.dtype)
         raise RuntimeError(
             f"lowering of aten::{k.short_name} produced shape {tuple(value.shape)}, PyTorch expects "
             f"{shape} (a bug in the lowering)")
