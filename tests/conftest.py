@@ -19,6 +19,17 @@ def strict_fallback():
     torchneuron.config.fallback = old
 
 
+# An op with only a CPU kernel, no lowering and no decomposition: exercises the CPU fallback no
+# matter how many real ops gain lowerings.
+_lib = torch.library.Library("torchneuron_test", "DEF")
+_lib.define("cpu_only(Tensor x, int bins) -> Tensor")
+_lib.define("cpu_only_(Tensor(a!) x) -> Tensor(a!)")
+_lib.impl("cpu_only", lambda x, bins: torch.histc(x, bins=bins, min=0, max=bins), "CPU")
+_lib.impl("cpu_only_", lambda x: x.mul_(2).add_(1), "CPU")
+cpu_only = torch.ops.torchneuron_test.cpu_only
+cpu_only_ = torch.ops.torchneuron_test.cpu_only_
+
+
 def assert_same(neuron_tensor, cpu_tensor, **tol):
     assert neuron_tensor.device.type == "neuron", neuron_tensor.device
     torch.testing.assert_close(neuron_tensor.cpu(), cpu_tensor, **tol)

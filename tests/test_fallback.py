@@ -7,10 +7,11 @@ import torch
 
 import torchneuron
 
+from conftest import cpu_only, cpu_only_
+
 
 def _no_lowering_op(x):
-    # aten::_cdist_forward... pick an op with neither lowering nor decomposition: histc.
-    return torch.histc(x, bins=4, min=0, max=4)
+    return cpu_only(x, 4)
 
 
 def test_cpu_fallback_runs_counts_and_warns_once():
@@ -23,22 +24,21 @@ def test_cpu_fallback_runs_counts_and_warns_once():
     assert r1.device.type == "neuron"
     assert torch.equal(r1.cpu(), _no_lowering_op(x)) and torch.equal(r2.cpu(), r1.cpu())
     fallback_warnings = [w for w in caught if "not lowered for neuron" in str(w.message)]
-    assert len(fallback_warnings) == 1 and "aten::histc" in str(fallback_warnings[0].message)
-    assert torchneuron.metrics()["fallbacks"] == {"histc": 2}
+    assert len(fallback_warnings) == 1 and "torchneuron_test::cpu_only" in str(fallback_warnings[0].message)
+    assert torchneuron.metrics()["fallbacks"] == {"cpu_only": 2}
 
 
 def test_fallback_in_place_effects_reach_the_device_tensor():
-    # An in-place op without a lowering: its effect must be copied back.
     x = torch.tensor([[3.0, 1.0], [2.0, 5.0]])
     n = x.to("neuron")
+    view = n[:, 1]
     torchneuron.config.fallback = "silent"
     try:
-        torch.ops.aten.histc.out(n.reshape(-1), bins=2, min=0, max=6, out=torch.empty(2, device="neuron"))
-        out = torch.zeros(2, device="neuron")
-        torch.histc(n, bins=2, min=0, max=6, out=out)
+        returned = cpu_only_(view)
     finally:
         torchneuron.config.fallback = "warn"
-    assert torch.equal(out.cpu(), torch.histc(x, bins=2, min=0, max=6))
+    assert returned is view
+    assert torch.equal(n.cpu(), torch.tensor([[3.0, 3.0], [2.0, 11.0]]))
 
 
 def test_strict_mode_raises_naming_op_and_setting(strict_fallback):
@@ -46,7 +46,7 @@ def test_strict_mode_raises_naming_op_and_setting(strict_fallback):
     with pytest.raises(RuntimeError) as err:
         _no_lowering_op(n)
     msg = str(err.value)
-    assert "aten::histc" in msg and "TORCHNEURON_FALLBACK" in msg and "Tensor[3]:float32" in msg
+    assert "torchneuron_test::cpu_only" in msg and "TORCHNEURON_FALLBACK" in msg and "Tensor[3]:float32" in msg
 
 
 def test_decomposition_is_used_before_fallback(strict_fallback):
