@@ -21,6 +21,8 @@ import torchneuron
 from torchneuron.eager import kernel as kernel_mod
 from torchneuron.report import analyze, devmap, render, runner
 
+from conftest import cpu_only
+
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 
 
@@ -129,8 +131,8 @@ def test_cuda_script_with_cpu_fallback_in_loop(tmp_path):
     assert proc.returncode == 1, proc.stderr       # a blocker
     assert kinds(report) == ["fallback_in_loop"]
     finding = report["findings"][0]
-    assert finding["op"] == "histc"
-    assert finding["site"]["line"] == _line_of("cuda_fallback_in_loop.py", "torch.histc(")
+    assert finding["op"] == "activation_histogram"
+    assert finding["site"]["line"] == _line_of("cuda_fallback_in_loop.py", "= activation_histogram(")
 
     assert report["status"] == {**report["status"], "outcome": "stopped", "reason": "steps"}
     assert report["performance"]["steps"] == 4
@@ -138,10 +140,10 @@ def test_cuda_script_with_cpu_fallback_in_loop(tmp_path):
     assert report["runs"]["neuron"]["device_map_rewrites"] > 0
 
     paths = {r["op"]: r["path"] for r in report["census"]}
-    assert paths.pop("histc") == "cpu"
+    assert paths.pop("activation_histogram") == "cpu"
     assert set(paths.values()) == {"native"} and "addmm" in paths      # the model ran on neuron
     (row,) = report["fallbacks"]
-    assert row["op"] == "histc" and row["calls"] == 4 and row["in_hot_loop"]
+    assert row["op"] == "activation_histogram" and row["calls"] == 4 and row["in_hot_loop"]
     assert row["steady_steps_with_calls"] == row["steady_steps"] == 3
     assert row["d2h_copies"] == 4 and row["d2h_bytes"] == 4 * 32 * 16 * 4   # `hidden` read back per call
     assert row["h2d_copies"] == 4 and row["h2d_bytes"] == 4 * 10 * 4        # the histogram uploaded
@@ -159,12 +161,12 @@ def test_float64_script(tmp_path):
 
 
 # -- the in-process API ---------------------------------------------------------------------------------
-def _train(steps, model, opt, x, with_histc=False):
+def _train(steps, model, opt, x, with_fallback=False):
     for _ in range(steps):
         opt.zero_grad()
         out = model(x)
-        if with_histc:
-            torch.histc(out.detach(), bins=5)
+        if with_fallback:
+            cpu_only(out.detach(), 5)
         loss = out.pow(2).mean()
         loss.backward()
         opt.step()
@@ -178,11 +180,11 @@ def _model():
     return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(8, 4).to("neuron")
 
 
-@pytest.mark.filterwarnings("ignore:torchneuron. aten..histc is not lowered")
+@pytest.mark.filterwarnings("ignore:torchneuron. torchneuron_test..cpu_only is not lowered")
 def test_check_context_manager_and_baseline_drift(tmp_path):
     model, opt, x = _model()
     with torchneuron.check(str(tmp_path / "a")) as chk:
-        _train(4, model, opt, x, with_histc=True)
+        _train(4, model, opt, x, with_fallback=True)
     assert sorted(f["kind"] for f in chk.findings) == ["fallback_in_loop"]
     assert set(chk.files) == {"md", "html", "json"} and all(os.path.exists(p) for p in chk.files.values())
     # Nothing stays hooked into the kernels once the block ends.
@@ -215,16 +217,16 @@ def test_failing_op_is_a_blocker_with_its_call_site(tmp_path):
     torchneuron.config.fallback = "error"
     try:
         with torchneuron.check() as chk:
-            with pytest.raises(RuntimeError, match="histc"):
-                torch.histc(x, bins=4)   # the failing line
+            with pytest.raises(RuntimeError, match="cpu_only"):
+                cpu_only(x, 4)   # the failing line
     finally:
         torchneuron.config.fallback = old
     assert [f["kind"] for f in chk.findings] == ["op_failed", "no_steps"]
     failed = chk.findings[0]
-    assert failed["op"] == "histc"
+    assert failed["op"] == "cpu_only"
     lines = pathlib.Path(__file__).read_text().splitlines()
     assert failed["site"]["line"] == next(i for i, t in enumerate(lines, 1) if t.endswith("# the failing line"))
-    row = next(r for r in chk.report["census"] if r["op"] == "histc")
+    row = next(r for r in chk.report["census"] if r["op"] == "cpu_only")
     assert row["failed"] == 1 and row["path"] == "cpu" and "TORCHNEURON_FALLBACK" in row["error"]
 
 
