@@ -8,8 +8,8 @@ trampoline. Every collective here:
 1. copies each neuron input to a host tensor (one device->host copy, counted in metrics);
 2. runs the same collective on those host tensors with an internal ``ProcessGroupGloo``, which owns
    the transport, the rendezvous through the c10d store, and the timeout;
-3. when gloo completes, copies results back into the neuron outputs (host->device) on the thread
-   that completes the work, then completes the ``Work`` handed to the caller.
+3. when gloo completes, copies results back into the neuron outputs (host->device), on the thread
+   that waits for the ``Work`` or, for futures (DDP), on gloo's thread; then the work is complete.
 
 CPU tensors skip the staging and go straight to gloo, so one group serves both devices (the default
 ``init_process_group()`` device map routes CPU to gloo this way). The internal gloo backend is also
@@ -48,57 +48,156 @@ class CollectiveError(RuntimeError):
     """A collective on the ``neuron`` process group failed (or a peer did)."""
 
 
-class NeuronWork(dist.Work):
-    """A collective in flight. ``wait()`` returns once the results are in the output tensors.
+class _Completer:
+    """One thread that waits for gloo works which have no future (send/recv, reduce-scatter)."""
 
-    The future completes after the copy back to the device, so ``get_future()`` callbacks (DDP's
-    comm hooks) and C++ waits (functional collectives) see finished neuron tensors.
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, work, future: torch.futures.Future):
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="torchneuron-c10d", daemon=True)
+                self._thread.start()
+        self._queue.put((work, future))
+
+    def _run(self):
+        while True:
+            work, future = self._queue.get()
+            try:
+                work.wait()
+            except Exception as err:
+                future.set_result(err)   # the `then` callback turns it into the collective's error
+                continue
+            future.set_result(None)
+
+
+_completer = _Completer()
+
+
+class _Completion:
+    """The end of one gloo collective: copy results back and count it, exactly once.
+
+    Whichever thread gets there first runs it: the caller in ``wait()`` (the common, synchronous
+    case: no thread hand-off), or gloo's thread when someone asked for the future (DDP's reducer).
     """
 
-    def __init__(self, future: torch.futures.Future, source_rank: Callable[[], int] | None = None):
+    __slots__ = ("work", "complete", "lock", "done", "value", "error", "_future")
+
+    def __init__(self, work, complete: Callable[[BaseException | None], object]):
+        self.work = work
+        self.complete = complete
+        self.lock = threading.Lock()
+        self.done = False
+        self.value = None
+        self.error: BaseException | None = None
+        self._future: torch.futures.Future | None = None
+
+    def finish(self, err: BaseException | None = None):
+        with self.lock:
+            if not self.done:
+                try:
+                    self.value = self.complete(err)
+                except BaseException as failure:  # noqa: B036 - kept and re-raised to every waiter
+                    self.error = failure
+                self.done = True
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def wait(self):
+        if not self.done:
+            try:
+                self.work.wait()
+            except Exception as err:
+                return self.finish(err)
+        return self.finish()
+
+    def poll(self) -> bool:
+        if not self.done and self.work.is_completed():
+            try:
+                self.finish()
+            except Exception:
+                pass
+        return self.done
+
+    def future(self) -> torch.futures.Future:
+        if self._future is None:
+            if self.done:
+                base = torch.futures.Future()
+                base.set_result(None)
+            else:
+                try:
+                    base = self.work.get_future()
+                except RuntimeError:   # gloo's send/recv/reduce-scatter works have no future
+                    base = torch.futures.Future()
+                    _completer.submit(self.work, base)
+
+            def on_done(fut):
+                # Raising here is what marks the chained future failed for C++ waiters too;
+                # Future.set_exception would not.
+                try:
+                    outcome = fut.value()
+                except Exception as failure:
+                    outcome = failure
+                return self.finish(outcome if isinstance(outcome, BaseException) else None)
+            self._future = base.then(on_done)
+        return self._future
+
+
+class NeuronWork(dist.Work):
+    """Collectives in flight. ``wait()`` returns once the results are in the output tensors.
+
+    ``get_future()`` completes after the copy back to the device, so its callbacks (DDP's comm
+    hooks) and C++ waiters (functional collectives) see finished neuron tensors.
+    """
+
+    def __init__(self, completions: Sequence[_Completion], source_rank: Callable[[], int] | None = None):
         super().__init__()
-        self._future = future
+        self._completions = list(completions)
+        self._future: torch.futures.Future | None = None
         self._source_rank_fn = source_rank
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-        if seconds and seconds > 0 and not self._future.done():
+        if seconds and seconds > 0 and not self.is_completed():
             finished = threading.Event()
-            self._future.add_done_callback(lambda _: finished.set())
+            self.get_future().add_done_callback(lambda _: finished.set())
             if not finished.wait(seconds):
                 raise CollectiveError(
                     f"torchneuron: Work.wait(timeout={seconds:.3g} s) expired before the collective "
                     "finished; the collective itself keeps running until the process group's timeout. "
                     "Wait without a timeout, or raise it.")
-        self._future.wait()   # raises the collective's error, if any
+        for c in self._completions:
+            c.wait()
         return True
 
     def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            futures = [c.future() for c in self._completions]
+            if len(futures) == 1:
+                self._future = futures[0]
+            else:
+                self._future = torch.futures.collect_all(futures).then(
+                    lambda fut: [t for f in fut.value() for t in (f.value() or [])])
         return self._future
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        return all(c.poll() for c in self._completions)
 
     def is_success(self) -> bool:
-        if not self._future.done():
-            return False
-        try:
-            self._future.value()
-        except Exception:
-            return False
-        return True
+        return self.is_completed() and all(c.error is None for c in self._completions)
 
     def exception(self):
-        if not self._future.done():
+        if not self.is_completed():
             return None
-        try:
-            self._future.value()
-        except Exception as err:
-            return err
-        return None
+        return next((c.error for c in self._completions if c.error is not None), None)
 
     def result(self):
-        return self._future.value()
+        self.wait()
+        return [t for c in self._completions for t in (c.value or [])]
 
     def synchronize(self) -> None:
         self.wait()
@@ -112,36 +211,8 @@ class NeuronWork(dist.Work):
     _source_rank = source_rank
 
 
-def _combined_work(works: Sequence[dist.Work]) -> NeuronWork:
-    return NeuronWork(torch.futures.collect_all([w.get_future() for w in works]))
-
-
-class _Completer:
-    """One thread that waits for gloo works which have no future (send/recv, reduce-scatter)."""
-
-    def __init__(self):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def submit(self, work, future: torch.futures.Future, complete: Callable[[Exception | None], object]):
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="torchneuron-c10d", daemon=True)
-                self._thread.start()
-        self._queue.put((work, future, complete))
-
-    def _run(self):
-        while True:
-            work, future, complete = self._queue.get()
-            try:
-                try:
-                    work.wait()
-                except Exception as err:
-                    complete(err)   # raises the wrapped error
-                future.set_result(complete(None))
-            except BaseException as err:  # noqa: B036 - the caller's future must always finish
-                future.set_exception(err)
+def _combined_work(works: Sequence[NeuronWork]) -> NeuronWork:
+    return NeuronWork([c for w in works for c in w._completions])
 
 
 def _reduce_op(op) -> tuple[ReduceOp, float | None]:
@@ -174,7 +245,6 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._gloo.options.group_name = group_name
         self._gloo._set_sequence_number_for_group()
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
-        self._completer = _Completer()
         self._coalesced: list[dist.Work] | None = None
 
     # -- identity -----------------------------------------------------------------------------
@@ -206,17 +276,19 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             "Move them with .to('neuron') or .cpu().")
 
     def _fail(self, name: str, tensors, err: BaseException, started: float) -> CollectiveError:
-        desc = staging.describe(tensors)
-        text = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        peer = any(s in str(err) for s in ("Connection", "closed", "Timed out", "timed out", "reset",
-                                           "Broken pipe", "peer"))
+        message = str(err).strip()
+        # gloo appends a generic paragraph after its first sentence; the first line says what broke.
+        first = message.splitlines()[0] if message else type(err).__name__
+        first = first.split(" This is typically caused by")[0].rstrip(". ")
+        peer = any(s in message for s in ("Connection", "closed", "Timed out", "timed out", "reset",
+                                          "Broken pipe", "peer"))
         hint = ("a peer process exited or stopped responding; look for the first failure in the other "
                 "ranks' logs" if peer else "check that every rank calls the same collectives in the same "
                 "order with matching shapes and dtypes")
         return CollectiveError(
-            f"torchneuron: {name} on {desc} failed on rank {self.rank()} of {self.size()} after "
-            f"{time.perf_counter() - started:.1f} s: {text}. Likely cause: {hint}. The group's timeout "
-            f"is {self._timeout} (set with init_process_group(timeout=...)).")
+            f"torchneuron: {name} of {staging.describe(tensors)} failed on rank {self.rank()} of "
+            f"{self.size()} after {time.perf_counter() - started:.1f} s: {first}. Likely cause: {hint}. "
+            f"The group's timeout is {self._timeout} (init_process_group(timeout=...)).")
 
     def _run(self, name: str, tensors: Sequence[torch.Tensor], nbytes: int, launch: Callable[[], object],
              finish: Callable[[], object], source_rank: bool = False) -> NeuronWork:
@@ -224,9 +296,9 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         started = time.perf_counter()
         try:
             work = launch()
-        except CollectiveError:
-            raise
         except Exception as err:
+            if isinstance(err, CollectiveError):
+                raise
             raise self._fail(name, tensors, err, started) from err
 
         def complete(err: BaseException | None):
@@ -241,22 +313,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                 metrics.collective_seconds += time.perf_counter() - started
             return value
 
-        try:
-            gloo_future = work.get_future()
-        except RuntimeError:   # gloo's send/recv/reduce-scatter works have no future
-            gloo_future = None
-        if gloo_future is not None:
-            def on_done(fut):
-                try:
-                    fut.value()
-                except Exception as err:
-                    return complete(err)
-                return complete(None)
-            future = gloo_future.then(on_done)
-        else:
-            future = torch.futures.Future()
-            self._completer.submit(work, future, complete)
-        result = NeuronWork(future, source_rank=work._source_rank if source_rank else None)
+        result = NeuronWork([_Completion(work, complete)],
+                            source_rank=work._source_rank if source_rank else None)
         if self._coalesced is not None:
             self._coalesced.append(result)
         return result
@@ -290,7 +348,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         if opts is not None:
             gopts.timeout = opts.timeout
         # One flat host buffer per dtype: one gloo all-reduce however many tensors DDP/FSDP pass.
-        groups = staging.flatten_by_dtype(tensors, read=True) if neuron else None
+        groups = staging.flatten_by_dtype(tensors) if neuron else None
         works = []
         if neuron:
             for flat, members in groups:
@@ -398,8 +456,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         # input's r-th shard, which is copied into the matching slice of each output.
         works = []
         size = self.size()
-        for flat, members in staging.flatten_by_dtype(inputs, read=True):
-            gathered = torch.empty(size * flat.numel(), dtype=flat.dtype)
+        for flat, members in staging.flatten_by_dtype(inputs):
+            gathered = staging.buffer((size * flat.numel(),), flat.dtype)
             outs = [outputs[i] for i, _, _ in members]
 
             def finish(gathered=gathered, members=members, outs=outs):
@@ -484,10 +542,10 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         size = self.size()
         works = []
         # Per dtype, one buffer whose r-th block holds every input's r-th shard: one gloo op.
-        for flat, members in staging.flatten_by_dtype(inputs, read=True, blocks=size):
+        for flat, members in staging.flatten_by_dtype(inputs, blocks=size):
             if factor is not None:
                 flat.mul_(factor)
-            shard = torch.empty(flat.numel() // size, dtype=flat.dtype)
+            shard = staging.buffer((flat.numel() // size,), flat.dtype)
             outs = [outputs[i] for i, _, _ in members]
 
             def finish(shard=shard, members=members, outs=outs):

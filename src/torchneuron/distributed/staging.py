@@ -1,17 +1,34 @@
 """Moving collective payloads between neuron tensors and the host buffers gloo works on.
 
-Every device->host read goes through ``transfers.to_host`` and every write back through the
-tensor's own ``copy_`` kernel, so the metrics' host<->device counters include collective traffic
-and views, dtypes and version counters behave exactly as for any other copy.
+Device->host reads go through ``transfers.to_host`` and uploads are counted in the same metrics,
+so collective traffic shows up in the host<->device copy counters.
+
+Host buffers are private to one collective and never written after it completes, so results are
+handed to PJRT without a copy (``may_alias``: PJRT adopts 64-byte aligned host memory on the CPU
+platform, and copies on accelerators). Large buffers come from a pool: on a VM the first-touch page
+faults of a fresh 64 MiB buffer cost more than copying it, while gloo's own baseline reuses warm
+buffers. A pooled buffer is free again once nothing references it any more: not the collective,
+not a device array that adopted it (every view of a numpy array keeps its owner alive, so the
+owner's reference count says whether anyone still uses the memory).
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Sequence
 
+import jax
+import numpy as np
 import torch
 
-from ..runtime import transfers
+from ..metrics import metrics
+from ..runtime import memory, pjrt, transfers
+
+_ALIGN = 64               # PJRT adopts host memory only if it is this aligned
+_POOL_MIN = 1 << 20       # smaller buffers come from malloc, which recycles them well enough
+_POOL_BYTES = 1 << 30     # host memory the pool may hold in total
+_POOL_PER_SIZE = 4        # buffers kept per size (a collective in flight and results on the device)
 
 
 def flush() -> None:
@@ -20,40 +37,89 @@ def flush() -> None:
     adaptive.flush("collective")
 
 
+class _Pool:
+    def __init__(self):
+        self._buffers: dict[int, list[np.ndarray]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A free uint8 array of at least ``nbytes + _ALIGN`` bytes."""
+        with self._lock:
+            stack = self._buffers.setdefault(nbytes, [])
+            for i in range(len(stack)):
+                # Referenced only by the pool's list and this call's argument: nobody uses it.
+                if sys.getrefcount(stack[i]) <= 2:
+                    return stack[i]
+            raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+            if len(stack) < _POOL_PER_SIZE and self._bytes + raw.nbytes <= _POOL_BYTES:
+                stack.append(raw)
+                self._bytes += raw.nbytes
+            return raw
+
+
+_pool = _Pool()
+
+
+def buffer(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous, 64-byte aligned host tensor that only this collective uses."""
+    shape = tuple(shape)
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = _pool.take(nbytes) if nbytes >= _POOL_MIN else np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    start = (-raw.ctypes.data) % _ALIGN
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A writable, contiguous CPU copy of a neuron tensor's values (one device->host copy)."""
-    return transfers.torch_from_host(transfers.to_host(t))
+    """A writable host copy of a neuron tensor's values (one device->host copy)."""
+    host = buffer(t.shape, t.dtype)
+    if t.numel():
+        np.copyto(transfers.host_array(host), transfers.to_host(t).reshape(tuple(t.shape)))
+    return host
 
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous host buffer for a collective to write ``t``'s result into."""
-    return torch.empty(tuple(t.shape), dtype=t.dtype)
+    return buffer(t.shape, t.dtype)
+
+
+def _adopt(host: np.ndarray, device_index: int):
+    metrics.h2d_copies += 1
+    metrics.h2d_bytes += host.nbytes
+    # Nobody writes this buffer again, so PJRT may adopt it instead of copying (transfers.upload
+    # must copy user data, which the user may still change).
+    return jax.device_put(host, pjrt.device(device_index), may_alias=True)
 
 
 def to_device(dst: torch.Tensor, host: torch.Tensor) -> None:
-    """Write a host result into a neuron tensor (any layout) in place."""
-    dst.copy_(host)
+    """Write a host result of ``dst``'s shape and dtype into the neuron tensor ``dst`` in place."""
+    if dst.numel() == 0:
+        return
+    rec = memory.record_of(dst)
+    flat = transfers.host_array(host.contiguous()).reshape(-1)
+    tracer = metrics.tracer
+    arr = tracer.copy("h2d", _adopt, flat, rec.device_index) if tracer is not None \
+        else _adopt(flat, rec.device_index)
+    if (dst.storage_offset() == 0 and rec.dtype == dst.dtype and rec.numel == dst.numel()
+            and dst.is_contiguous()):
+        rec.buf = arr   # the result is the whole storage: adopt it
+        torch.autograd.graph.increment_version(dst)
+        return
+    staged = memory.new_buffer_tensor(arr, dst.dtype, rec.device_index, tuple(dst.shape))
+    dst.copy_(staged)   # a device-side copy into the view
 
 
-def nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def describe(tensors: Sequence[torch.Tensor]) -> str:
-    if not tensors:
-        return "no tensors"
-    shown = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors[:4])
-    more = f" and {len(tensors) - 4} more" if len(tensors) > 4 else ""
-    return f"[{shown}{more}] on {tensors[0].device}"
-
-
-def flatten_by_dtype(tensors: Sequence[torch.Tensor], read: bool = True, blocks: int = 1):
+def flatten_by_dtype(tensors: Sequence[torch.Tensor], blocks: int = 1):
     """Pack tensors of each dtype into one host buffer, for one gloo call per dtype.
 
     With ``blocks = b`` the buffer is viewed as ``b`` equal blocks and block ``r`` holds the ``r``-th
     of ``b`` equal pieces of every tensor, in order (the layout reduce-scatter needs). Returns
-    ``[(flat, [(index, tensor, (start, numel)), ...]), ...]``, ``start`` counting elements before
-    this tensor in the unblocked order.
+    ``[(flat, [(index, tensor, (start, numel)), ...]), ...]``, ``start`` counting the elements
+    before this tensor in unblocked order.
     """
     by_dtype: dict[torch.dtype, list] = {}
     for i, t in enumerate(tensors):
@@ -61,7 +127,7 @@ def flatten_by_dtype(tensors: Sequence[torch.Tensor], read: bool = True, blocks:
     packed = []
     for dtype, items in by_dtype.items():
         total = sum(t.numel() for _, t in items)
-        flat = torch.empty(total, dtype=dtype)
+        flat = buffer((total,), dtype)
         rows = transfers.host_array(flat).reshape(blocks, total // blocks) if total else None
         members, start = [], 0
         for i, t in items:
@@ -70,9 +136,8 @@ def flatten_by_dtype(tensors: Sequence[torch.Tensor], read: bool = True, blocks:
                 raise RuntimeError(
                     f"torchneuron: a reduce-scatter input of shape {list(t.shape)} ({n} elements) does not "
                     f"split into {blocks} equal shards; pad it to a multiple of the group size.")
-            if read and n:
-                piece = transfers.to_host(t).reshape(blocks, n // blocks)
-                rows[:, start // blocks:(start + n) // blocks] = piece
+            if n:
+                rows[:, start // blocks:(start + n) // blocks] = transfers.to_host(t).reshape(blocks, n // blocks)
             members.append((i, t, (start, n)))
             start += n
         packed.append((flat, members))
@@ -84,5 +149,13 @@ def unflatten_to_device(flat: torch.Tensor, members) -> None:
         to_device(t, flat[start:start + n].view(t.shape))
 
 
-__all__ = ["describe", "empty_like", "flatten_by_dtype", "flush", "nbytes", "to_device", "to_host",
-           "unflatten_to_device"]
+def nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def describe(tensors: Sequence[torch.Tensor]) -> str:
+    if not tensors:
+        return "no tensors"
+    shown = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors[:4])
+    more = f" and {len(tensors) - 4} more" if len(tensors) > 4 else ""
+    return f"[{shown}{more}] ({tensors[0].device})"
