@@ -80,3 +80,82 @@ def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     else:
         raise ValueError(f"_grouped_mm: unsupported operand ranks {a.ndim}D x {b.ndim}D")
     return out.astype(result_dtype)
+
+
+def _fused_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, beta1, beta2,
+                weight_decay, eps, amsgrad, maximize, grad_scale, found_inf, decoupled):
+    """torch's fused Adam/AdamW step (``_fused_adam(w)_``), the arithmetic of its CPU kernel.
+
+    Returns the new values of every mutated list, flattened in schema order: params, grads,
+    exp_avgs, exp_avg_sqs, max_exp_avg_sqs. ``state_steps`` were already incremented by the
+    optimizer. With ``found_inf`` set (AMP overflow) nothing changes but the unscaled grads.
+    """
+    new_p, new_g, new_m, new_v, new_vmax = [], [], [], [], []
+    skip = None if found_inf is None else (found_inf.reshape(()) == 1)
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        work = jnp.float32 if jnp.finfo(p.dtype).bits < 32 else p.dtype
+        pw, gw, mw, vw = (x.astype(work) for x in (p, g, m, v))
+        if grad_scale is not None:
+            gw = gw / grad_scale.reshape(()).astype(work)
+        new_g.append(gw.astype(g.dtype))
+        d = -gw if maximize else gw
+        if weight_decay != 0:
+            if decoupled:
+                pw = pw * (1 - lr * weight_decay)
+            else:
+                d = d + weight_decay * pw
+        step = state_steps[i].reshape(()).astype(work)
+        mw = mw + (1 - beta1) * (d - mw)
+        vw = beta2 * vw + (1 - beta2) * d * d
+        bias1 = 1 - jnp.power(jnp.asarray(beta1, work), step)
+        bias2_sqrt = jnp.sqrt(1 - jnp.power(jnp.asarray(beta2, work), step))
+        if amsgrad:
+            vmax = jnp.maximum(max_exp_avg_sqs[i].astype(work), vw)
+            new_vmax.append(vmax)
+            denom = jnp.sqrt(vmax) / bias2_sqrt + eps
+        else:
+            denom = jnp.sqrt(vw) / bias2_sqrt + eps
+        pw = pw - (lr / bias1) * mw / denom
+        new_p.append(pw)
+        new_m.append(mw)
+        new_v.append(vw)
+
+    def keep(new, old):
+        new = [n.astype(o.dtype) for n, o in zip(new, old)]
+        return new if skip is None else [jnp.where(skip, o, n) for n, o in zip(new, old)]
+
+    vmax_old = list(max_exp_avg_sqs)[: len(new_vmax)]
+    return (*keep(new_p, params), *new_g, *keep(new_m, exp_avgs), *keep(new_v, exp_avg_sqs),
+            *keep(new_vmax, vmax_old), *list(max_exp_avg_sqs)[len(new_vmax):])
+
+
+def _fused_adam_lowering(decoupled):
+    def lower(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1, beta2,
+              weight_decay, eps, amsgrad, maximize, grad_scale=None, found_inf=None):
+        if hasattr(lr, "reshape"):
+            lr = lr.reshape(())
+        return _fused_adam(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, beta1, beta2,
+                           weight_decay, eps, amsgrad, maximize, grad_scale, found_inf, decoupled)
+    return lower
+
+
+# Trainer's default optimizer (adamw_torch_fused) and Adam/AdamW(fused=True).
+lowering("_fused_adamw_.default", "_fused_adamw_.tensor_lr", derive_variants=False)(_fused_adam_lowering(True))
+lowering("_fused_adam_.default", "_fused_adam_.tensor_lr", derive_variants=False)(_fused_adam_lowering(False))
+
+
+def kernels(table: dict) -> dict:
+    """Eager kernels layered on the lowered ones (merged into the registration table)."""
+    import torch
+
+    def runtime_lr(tensor_lr_kernel):
+        def fused(*args, lr, **kwargs):
+            # A float ``lr`` would be compiled into the executable, so every step of an LR schedule
+            # (Trainer's default) would compile anew; as a 0-dim CPU tensor it is a runtime input.
+            if not isinstance(lr, torch.Tensor):
+                lr = torch.tensor(lr, dtype=torch.float32)
+            return tensor_lr_kernel(*args, lr=lr, **kwargs)
+        return fused
+
+    return {f"{name}.default": runtime_lr(table[f"{name}.tensor_lr"])
+            for name in ("_fused_adamw_", "_fused_adam_") if f"{name}.tensor_lr" in table}
