@@ -304,8 +304,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         def complete(err: BaseException | None):
             if err is not None:
                 raise self._fail(name, tensors, err, started) from err
-            with torch.no_grad():
-                value = finish()
+            value = finish()
             staging.flush()
             with _metrics_lock:
                 metrics.collectives[name] += 1

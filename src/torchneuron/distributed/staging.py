@@ -19,6 +19,7 @@ import threading
 from collections.abc import Sequence
 
 import jax
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -61,25 +62,46 @@ class _Pool:
 _pool = _Pool()
 
 
-def buffer(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous, 64-byte aligned host tensor that only this collective uses."""
-    shape = tuple(shape)
+def _numpy_dtype(dtype: torch.dtype):
+    return ml_dtypes.bfloat16 if dtype == torch.bfloat16 else torch.empty((), dtype=dtype).numpy().dtype
+
+
+def _buffer(shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray | None]:
     numel = 1
     for s in shape:
         numel *= s
     nbytes = numel * dtype.itemsize
     if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype), None
     raw = _pool.take(nbytes) if nbytes >= _POOL_MIN else np.empty(nbytes + _ALIGN, dtype=np.uint8)
     start = (-raw.ctypes.data) % _ALIGN
-    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
+    block = raw[start:start + nbytes]
+    return torch.from_numpy(block).view(dtype).view(shape), block.view(_numpy_dtype(dtype)).reshape(shape)
+
+
+def buffer(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous, 64-byte aligned host tensor that only this collective uses."""
+    return _buffer(tuple(shape), dtype)[0]
+
+
+def _read(t: torch.Tensor) -> np.ndarray:
+    rec = memory.record_of(t)
+    if t.storage_offset() == 0 and rec.dtype == t.dtype and rec.numel == t.numel() and t.is_contiguous():
+        # The whole storage: its buffer as it is, without a reshape dispatched to the device.
+        arr = np.asarray(memory.empty_buffer(rec))
+        metrics.d2h_copies += 1
+        metrics.d2h_bytes += arr.nbytes
+        return arr
+    return transfers._to_host(t).reshape(-1)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A writable host copy of a neuron tensor's values (one device->host copy)."""
-    host = buffer(t.shape, t.dtype)
-    if t.numel():
-        np.copyto(transfers.host_array(host), transfers.to_host(t).reshape(tuple(t.shape)))
+    host, view = _buffer(tuple(t.shape), t.dtype)
+    if view is not None:
+        tracer = metrics.tracer
+        src = tracer.copy("d2h", _read, t) if tracer is not None else _read(t)
+        np.copyto(view.reshape(-1), src)
     return host
 
 
@@ -100,7 +122,9 @@ def to_device(dst: torch.Tensor, host: torch.Tensor) -> None:
     if dst.numel() == 0:
         return
     rec = memory.record_of(dst)
-    flat = transfers.host_array(host.contiguous()).reshape(-1)
+    host = host.contiguous()
+    flat = (host.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if host.dtype == torch.bfloat16
+            else host.numpy()).reshape(-1)
     tracer = metrics.tracer
     arr = tracer.copy("h2d", _adopt, flat, rec.device_index) if tracer is not None \
         else _adopt(flat, rec.device_index)
@@ -110,7 +134,8 @@ def to_device(dst: torch.Tensor, host: torch.Tensor) -> None:
         torch.autograd.graph.increment_version(dst)
         return
     staged = memory.new_buffer_tensor(arr, dst.dtype, rec.device_index, tuple(dst.shape))
-    dst.copy_(staged)   # a device-side copy into the view
+    with torch.no_grad():
+        dst.copy_(staged)   # a device-side copy into the view
 
 
 def flatten_by_dtype(tensors: Sequence[torch.Tensor], blocks: int = 1):
