@@ -233,7 +233,7 @@ def _inputs(vocab: int, seed: int = 0):
 
 
 def build_model(model_type: str, seed: int = 0):
-    """The tiny model (CPU, eval mode, seeded weights) and its config."""
+    """The tiny model (CPU, eval mode, seeded random weights) and its config."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -255,7 +255,23 @@ def build_model(model_type: str, seed: int = 0):
     prepare = _PREPARE.get(model_type)
     if prepare is not None:
         prepare(model)
+    _break_ties(model, seed)
     return model.eval(), cfg
+
+
+def _break_ties(model, seed: int) -> None:
+    """Give constant-initialised weights (zero router gates, zero expert-score biases, unit norms)
+    a little seeded noise. Otherwise every router score is equal and top-k picks among exact ties,
+    whose order PyTorch leaves unspecified (CPU and CUDA already differ), which would compare
+    arbitrary expert choices instead of the model. Trained checkpoints have no such ties."""
+    import torch
+    g = torch.Generator().manual_seed(seed + 1)
+    tensors = [p for p in model.parameters()]
+    tensors += [b for n, b in model.named_buffers() if "bias" in n.rsplit(".", 1)[-1]]
+    with torch.no_grad():
+        for t in tensors:
+            if t.is_floating_point() and t.numel() > 1 and bool((t == t.reshape(-1)[0]).all()):
+                t.add_(torch.randn(t.shape, generator=g, dtype=t.dtype) * 0.02)
 
 
 def _xmod_language(model):
