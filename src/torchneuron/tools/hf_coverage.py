@@ -27,6 +27,7 @@ import platform
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -466,8 +467,7 @@ def _worker(archs: list[str], results: Path, timeout: int, generate: bool) -> No
             row = check_architecture(arch, generate=generate)
         finally:
             signal.alarm(0)
-        with open(results, "a") as f:
-            f.write(json.dumps(row, default=str) + "\n")
+        _append(results, row)
         print(f"[hf_coverage] {arch}: {row['status']} {row['reason'][:160]} ({row['seconds']} s)",
               file=sys.stderr, flush=True)
 
@@ -492,9 +492,20 @@ def _done(results: Path) -> dict:
     return rows
 
 
-def sweep(archs: list[str], results: Path, timeout: int, generate: bool) -> None:
-    """Run ``archs`` in worker processes; a worker that dies is replaced, its architecture failed."""
+def sweep(archs: list[str], results: Path, timeout: int, generate: bool, jobs: int = 1) -> None:
+    """Run ``archs`` in ``jobs`` worker processes (each keeps its compiled executables across its
+    architectures); a worker that dies is replaced and the architecture it was on is failed."""
     results.parent.mkdir(parents=True, exist_ok=True)
+    todo = [a for a in archs if a not in _done(results)]
+    shards = [todo[i::jobs] for i in range(max(1, jobs))]
+    threads = [threading.Thread(target=_run_shard, args=(shard, results, timeout, generate)) for shard in shards if shard]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _run_shard(archs: list[str], results: Path, timeout: int, generate: bool) -> None:
     while True:
         todo = [a for a in archs if a not in _done(results)]
         if not todo:
@@ -506,9 +517,14 @@ def sweep(archs: list[str], results: Path, timeout: int, generate: bool) -> None
         if proc.returncode != 0:
             first = next((a for a in todo if a not in done), None)
             if first is not None:
-                with open(results, "a") as f:
-                    f.write(json.dumps({"arch": first, "status": "fail", "fallbacks": {}, "seconds": 0,
-                                        "reason": f"worker process died (exit code {proc.returncode})"}) + "\n")
+                _append(results, {"arch": first, "status": "fail", "fallbacks": {}, "seconds": 0,
+                                  "reason": f"worker process died (exit code {proc.returncode})"})
+
+
+def _append(results: Path, row: dict) -> None:
+    # One write per row in append mode: rows from concurrent workers never interleave.
+    with open(results, "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -613,6 +629,7 @@ def main(argv=None) -> int:
     p.add_argument("--render-only", action="store_true", help="write the report from --results only")
     p.add_argument("--timeout", type=int, default=600, help="seconds per architecture")
     p.add_argument("--no-generate", action="store_true", help="skip the greedy generate check")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes run in parallel")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -623,7 +640,7 @@ def main(argv=None) -> int:
     if not args.render_only:
         if not args.resume and args.results.exists():
             args.results.unlink()
-        sweep(archs, args.results, args.timeout, not args.no_generate)
+        sweep(archs, args.results, args.timeout, not args.no_generate, args.jobs)
     rows = [r for a, r in _done(args.results).items() if a in archs]
     command = "python -m torchneuron.tools.hf_coverage" + (" " + " ".join(args.archs) if args.archs else "")
     args.output.parent.mkdir(parents=True, exist_ok=True)
