@@ -191,6 +191,7 @@ def parse(argv=None):
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--skip-eager", action="store_true", help="leave neuron-eager out (it is slow)")
     p.add_argument("--skip-cold-warm", action="store_true")
+    p.add_argument("--only-cold-warm", action="store_true", help="just the cold vs warm compile times")
     return p.parse_args(argv)
 
 
@@ -202,16 +203,17 @@ def main():
           f"batch {args.batch}, vocab {args.vocab}; torch {torch.__version__}, torchneuron "
           f"{torchneuron.__version__}, jax {__import__('jax').__version__}, torch threads "
           f"{torch.get_num_threads()}")
-    cfgs = configs(args)
-    results = {}
-    for which in ("forward", "train step"):
-        results[which] = measure(cfgs, which, args)
-    print()
-    print(f"{'':18s}{'forward tok/s':>15s}{'vs Inductor':>13s}{'train tok/s':>15s}{'vs Inductor':>13s}")
-    for name in cfgs:
-        f, t = results["forward"][name], results["train step"][name]
-        fi, ti = results["forward"]["CPU Inductor"], results["train step"]["CPU Inductor"]
-        print(f"{name:18s}{tokens / f:15.0f}{fi / f:12.2f}x{tokens / t:15.0f}{ti / t:12.2f}x")
+    if not args.only_cold_warm:
+        cfgs = configs(args)
+        results = {}
+        for which in ("forward", "train step"):
+            results[which] = measure(cfgs, which, args)
+        print()
+        print(f"{'':18s}{'forward tok/s':>15s}{'vs Inductor':>13s}{'train tok/s':>15s}{'vs Inductor':>13s}")
+        for name in cfgs:
+            f, t = results["forward"][name], results["train step"][name]
+            fi, ti = results["forward"]["CPU Inductor"], results["train step"]["CPU Inductor"]
+            print(f"{name:18s}{tokens / f:15.0f}{fi / f:12.2f}x{tokens / t:15.0f}{ti / t:12.2f}x")
     if not args.skip_cold_warm:
         cold, warm = cold_warm(argv)
         print()

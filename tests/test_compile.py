@@ -315,10 +315,11 @@ _WARM_START = textwrap.dedent("""
 
 
 def test_second_process_starts_warm_from_the_disk_cache(tmp_path):
-    env = dict(os.environ, TORCHNEURON_CACHE_DIR=str(tmp_path / "cache"), TORCHNEURON_DUMP_DIR=str(tmp_path / "dump"))
+    env = dict(os.environ, TORCHNEURON_CACHE_DIR=str(tmp_path / "cache"))
     runs = []
-    for _ in range(2):
-        proc = subprocess.run([sys.executable, "-c", _WARM_START], env=env, capture_output=True, text=True,
+    for dump in (True, False):          # the cold run also dumps FX code and StableHLO
+        run_env = dict(env, TORCHNEURON_DUMP_DIR=str(tmp_path / "dump")) if dump else env
+        proc = subprocess.run([sys.executable, "-c", _WARM_START], env=run_env, capture_output=True, text=True,
                               timeout=600)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
         assert line is not None, proc.stderr[-3000:]
@@ -326,6 +327,7 @@ def test_second_process_starts_warm_from_the_disk_cache(tmp_path):
     cold, warm = runs
     assert cold["compiled"] == 2 and cold["disk"] == 0           # forward and backward graphs
     assert warm["compiled"] == 0 and warm["disk"] == 2
+    assert len(list((tmp_path / "cache" / "graphs").glob("*.tnexe"))) == 2
     assert abs(cold["sum"] - 1.0) < 1e-5 and abs(warm["sum"] - 1.0) < 1e-5
     dumped = sorted(p.name for p in (tmp_path / "dump").iterdir())
     fx = [p for p in dumped if p.endswith(".fx.py")]

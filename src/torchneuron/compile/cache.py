@@ -1,17 +1,28 @@
-"""Where compiled graphs persist: JAX's persistent compilation cache, and optional dumps.
+"""Where compiled graphs persist: JAX's persistent compilation cache, a graph index, dumps.
 
-Graph executables go through JAX's persistent compilation cache in ``config.cache_dir``
-(``TORCHNEURON_CACHE_DIR``; "" turns it off), keyed by JAX on the StableHLO module, compile
-options and the PJRT platform version, so a second process that traces the same graph loads the
-executable instead of compiling it. Every graph is written (minimum compile time 0), while eager
-per-op executables keep JAX's default threshold and stay out of it.
+Graph executables are compiled through JAX's persistent compilation cache in ``config.cache_dir``
+(``TORCHNEURON_CACHE_DIR``; "" turns caching off), keyed by JAX on the StableHLO module, compile
+options and the PJRT platform version, so a process that traces the same graph loads it instead
+of compiling it. Every graph is written (minimum compile time 0), while eager per-op executables
+keep JAX's default threshold and stay out of it.
+
+Tracing the interpreter and lowering to StableHLO still cost seconds per large graph before JAX can
+even compute its key, so ``<cache_dir>/graphs/`` also keeps an index from the graph itself (FX code,
+constants, input signature, platform, versions and a fingerprint of torchneuron's lowering code) to
+the serialized executable: a warm process goes from the FX graph straight to a loaded executable.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import os
+import pickle
+import sys
+import tempfile
 import threading
+import warnings
 
 import jax
 from jax._src import config as jax_config
@@ -95,3 +106,73 @@ def dump(name: str, gm, lowered, specs, dump_dir: str | None = None) -> None:
         f.write(gm.print_readable(print_output=False, include_stride=True, include_device=True))
     with open(os.path.join(directory, f"{name}.stablehlo.mlir"), "w") as f:
         f.write(lowered.as_text())
+
+
+# -- the graph index -----------------------------------------------------------------------------
+_FORMAT = 1
+
+
+@functools.cache
+def _code_fingerprint() -> str:
+    """Versions, platform and torchneuron's own sources: any change invalidates the index."""
+    import torch
+
+    from ..runtime import pjrt
+    h = hashlib.sha256()
+    dev = pjrt.devices()[0]
+    h.update(repr((_FORMAT, sys.version, torch.__version__, jax.__version__, config.platform,
+                   dev.platform, dev.device_kind, pjrt.platform_version(),
+                   os.environ.get("XLA_FLAGS", ""))).encode())
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    h.update(name.encode())
+                    h.update(f.read())
+    return h.hexdigest()
+
+
+def graph_key(graph_hash: str, signature, device_index: int) -> str:
+    return hashlib.sha256(repr((_code_fingerprint(), graph_hash, signature, device_index)).encode()).hexdigest()
+
+
+def _index_path(key: str) -> str | None:
+    directory = _configure()
+    return os.path.join(directory, "graphs", f"{key}.tnexe") if directory else None
+
+
+def load_graph(key: str, devices):
+    """(loaded executable, metadata dict) for an indexed graph, or None."""
+    path = _index_path(key)
+    if path is None or not os.path.exists(path):
+        return None
+    try:
+        from jax.experimental import serialize_executable
+        with open(path, "rb") as f:
+            entry = pickle.load(f)
+        compiled = serialize_executable.deserialize_and_load(
+            entry["payload"], entry["in_tree"], entry["out_tree"], backend=devices[0].client,
+            execution_devices=list(devices))
+        return compiled, entry["meta"]
+    except Exception as err:  # noqa: BLE001 - a bad entry only costs a compile
+        warnings.warn(f"torchneuron: ignoring unreadable compiled-graph cache entry {path}: {err}", stacklevel=2)
+        return None
+
+
+def store_graph(key: str, compiled, meta: dict) -> None:
+    path = _index_path(key)
+    if path is None:
+        return
+    try:
+        from jax.experimental import serialize_executable
+        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # Write then rename, so a concurrent reader never sees half an entry.
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump({"payload": payload, "in_tree": in_tree, "out_tree": out_tree, "meta": meta}, f)
+        os.replace(tmp, path)
+    except Exception as err:  # noqa: BLE001 - the cache is an optimisation
+        warnings.warn(f"torchneuron: could not write the compiled-graph cache entry {path}: {err}", stacklevel=2)

@@ -500,11 +500,25 @@ class GraphProgram:
         if exe is not None:
             metrics.extra["graph_memory_cache_hits"] += 1
             return exe
-        fn = _Interpreter(self, specs, len(bufs))
-        # The jitted function's name is part of the HLO module, hence of the persistent-cache key:
-        # keep it deterministic across processes.
-        fn.__name__ = f"neuron_{self.kind}"
+        disk_key = cache.graph_key(self.graph_hash, key, device_index or 0)
         start = time.perf_counter()
+        from ..runtime import pjrt
+        # Dumps need the StableHLO, so with a dump directory the graph is always traced.
+        loaded = None if (self.dump_dir or config.dump_dir) else cache.load_graph(disk_key, pjrt.devices())
+        if loaded is not None:
+            compiled, meta = loaded
+            seconds = time.perf_counter() - start
+            metrics.compile_seconds += seconds
+            metrics.extra["graph_compile_seconds"] += seconds
+            metrics.extra["graph_persistent_cache_hits"] += 1
+            exe = _Executable(compiled, meta["n_new"], meta["n_host"], tuple(meta["writes"]),
+                              tuple(meta["host_writes"]), meta["name"])
+            _shared_executables[shared_key] = exe
+            return exe
+        fn = _Interpreter(self, specs, len(bufs))
+        # The jitted function's name is part of the HLO module, hence of JAX's cache key: keep it
+        # deterministic across processes.
+        fn.__name__ = f"neuron_{self.kind}"
         try:
             with cache.graph_compile_context() as hits:
                 lowered = jax.jit(fn).lower(*bufs, *runtime)
@@ -526,6 +540,8 @@ class GraphProgram:
             metrics.executables_compiled += 1
         cache.dump(name, self.gm, lowered, specs, self.dump_dir)
         exe = _Executable(compiled, len(self.buffers), len(self.host_outputs), fn.writes, fn.host_writes, name)
+        cache.store_graph(disk_key, compiled, {"n_new": exe.n_new, "n_host": exe.n_host, "writes": exe.writes,
+                                               "host_writes": exe.host_writes, "name": name})
         _shared_executables[shared_key] = exe
         return exe
 
