@@ -235,10 +235,18 @@ def lowering_error(node, kind, reason) -> NeuronCompileError:
 
 # -- the program ----------------------------------------------------------------------------------
 class _Step:
-    __slots__ = ("node", "kind", "kernel", "extra")
+    """One node to evaluate: ``kind`` is op/index_put (``kernel`` a Kernel), foreach (``kernel`` a
+    ForeachPlan), getitem or sym."""
 
-    def __init__(self, node, kind, kernel=None, extra=None):
-        self.node, self.kind, self.kernel, self.extra = node, kind, kernel, extra
+    __slots__ = ("node", "kind", "kernel")
+
+    def __init__(self, node, kind, kernel=None):
+        self.node, self.kind, self.kernel = node, kind, kernel
+
+    @property
+    def random(self) -> bool:
+        k = self.kernel.kernel if self.kind == "foreach" else self.kernel
+        return k is not None and k.lowering.random
 
 
 class _Executable:
@@ -278,10 +286,7 @@ class GraphProgram:
             if fallback != "eager":
                 raise err
             self._use_eager([_metric_name(n) for n, _ in missing], err)
-        self.random = any(s.kernel is not None and s.kernel.lowering.random for s in self.steps
-                          if s.kind in ("op", "index_put"))
-        self.random = self.random or any(s.kind == "foreach" and s.kernel.kernel.lowering.random
-                                         for s in self.steps)
+        self.random = any(s.random for s in self.steps)
         self.outputs = self._plan_outputs()
         self.graph_hash = self._hash()
 
@@ -425,7 +430,7 @@ class GraphProgram:
             args = list(args)
         if self.eager:
             return self._run_eager(args)
-        bufs, addrs, runtime, specs, device_index, host_inputs = _signature(args)
+        bufs, addrs, runtime, specs, device_index = _signature(args)
         if self.random:
             gen = rng.generator(device_index if device_index is not None else _current_device())
             runtime.extend(gen.next_key_inputs())
@@ -440,13 +445,13 @@ class GraphProgram:
                         return self._run_eager(args)
                     self.executables[key] = exe
         results = exe.call(*bufs, *runtime)
-        return self._finish(exe, results, args, addrs, device_index, host_inputs)
+        return self._finish(exe, results, args, addrs, device_index)
 
     def _run_eager(self, args):
         out = self.gm(*args)
         return list(out) if isinstance(out, tuple | list) else [out]
 
-    def _finish(self, exe, results, args, addrs, device_index, host_inputs):
+    def _finish(self, exe, results, args, addrs, device_index):
         dev = device_index if device_index is not None else _current_device()
         new = [memory.new_buffer_tensor(buf, dtype, dev, sizes, strides)
                for buf, (_, _, dtype, sizes, strides) in zip(results, self.buffers)]
@@ -596,7 +601,7 @@ def _current_device() -> int:
 
 def _signature(args):
     """Buffers, runtime values and the cache-key specs of one call's inputs."""
-    bufs, addrs, runtime, specs, host_inputs = [], [], [], [], []
+    bufs, addrs, runtime, specs = [], [], [], []
     slots = {}
     device_index = None
     for a in args:
@@ -621,9 +626,10 @@ def _signature(args):
                     addrs.append(addr)
                 specs.append((a.dtype, tuple(a.shape), a.stride(), a.storage_offset(), slot, rec.numel))
             elif dev == "cpu":
-                host = transfers.host_array(a)
+                host = transfers.host_array(a)      # uploaded by the call: counted as a copy
+                metrics.h2d_copies += 1
+                metrics.h2d_bytes += host.nbytes
                 runtime.append(host)
-                host_inputs.append(a)
                 specs.append(("host", a.dtype, tuple(a.shape)))
             else:
                 raise RuntimeError(
@@ -639,7 +645,7 @@ def _signature(args):
             specs.append(float)
         else:
             specs.append(("const", a))
-    return bufs, addrs, runtime, specs, device_index, host_inputs
+    return bufs, addrs, runtime, specs, device_index
 
 
 class _Interpreter:
