@@ -98,29 +98,40 @@ def _worker_env(rank: int, port: int) -> dict:
     return env
 
 
+class _Job:
+    """WORLD worker processes started now; ``result()`` waits for them until the deadline."""
+
+    def __init__(self, out: Path, worker: str, *args: str, deadline: float = LAUNCH_DEADLINE):
+        out.mkdir(parents=True, exist_ok=True)
+        self.worker, self.deadline = worker, deadline
+        self.end = time.monotonic() + deadline
+        port = _free_port()
+        self.logs = [open(out / f"{worker}.rank{rank}.log", "w+") for rank in range(WORLD)]
+        self.procs = [subprocess.Popen([sys.executable, str(HERE), worker, str(out), *args], cwd=ROOT,
+                                       env=_worker_env(rank, port), stdout=log, stderr=subprocess.STDOUT)
+                      for rank, log in enumerate(self.logs)]
+        self._result = None
+
+    def result(self) -> list[tuple[int, str]]:
+        """Each rank's (exit code, output); kills every rank and fails if the deadline passes."""
+        if self._result is None:
+            try:
+                for p in self.procs:
+                    p.wait(timeout=max(1.0, self.end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for p in self.procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+                text = "\n".join(f"--- rank {r} ---\n{_read(log)}" for r, log in enumerate(self.logs))
+                raise AssertionError(f"worker {self.worker!r} did not finish within {self.deadline} s "
+                                     f"(a hang):\n{text[-6000:]}") from None
+            self._result = [(p.returncode, _read(log)) for p, log in zip(self.procs, self.logs)]
+        return self._result
+
+
 def _launch(out: Path, worker: str, *args: str, deadline: float = LAUNCH_DEADLINE) -> list[tuple[int, str]]:
-    """Run ``worker`` on WORLD ranks; return each rank's (exit code, output). Kills them at the deadline."""
-    out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    procs, logs = [], []
-    for rank in range(WORLD):
-        log = open(out / f"{worker}.rank{rank}.log", "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(HERE), worker, str(out), *args], cwd=ROOT,
-                                      env=_worker_env(rank, port), stdout=log, stderr=subprocess.STDOUT))
-    end = time.monotonic() + deadline
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, end - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        text = "\n".join(f"--- rank {r} ---\n{_read(log)}" for r, log in enumerate(logs))
-        raise AssertionError(
-            f"worker {worker!r} did not finish within {deadline} s (a hang):\n{text[-6000:]}") from None
-    return [(p.returncode, _read(log)) for p, log in zip(procs, logs)]
+    return _Job(out, worker, *args, deadline=deadline).result()
 
 
 def _read(log) -> str:
@@ -141,7 +152,17 @@ import pytest  # noqa: E402 - workers do not need pytest
 
 
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory):
+def failure_jobs(tmp_path_factory):
+    """The failure scenarios mostly wait, so they run alongside the suite."""
+    jobs = {}
+    for name in ("dead_rank", "stuck_rank"):
+        out = tmp_path_factory.mktemp(name)
+        jobs[name] = (out, _Job(out, name, deadline=LAUNCH_DEADLINE))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory, failure_jobs):
     """One launch running the collectives, tensor-parallel, FSDP2 and checkpoint-saving scenarios."""
     out = tmp_path_factory.mktemp("dist_suite")
     results = _launch(out, "suite")
@@ -222,22 +243,24 @@ def test_checkpoint_save_load_resume(suite, tmp_path):
                                    rtol=1e-6, atol=1e-7)
 
 
-def test_dead_rank_fails_peers_with_clear_error(tmp_path):
-    results = _launch(tmp_path, "dead_rank", deadline=240)
+def test_dead_rank_fails_peers_with_clear_error(failure_jobs):
+    out, job = failure_jobs["dead_rank"]
+    results = job.result()
     code, output = results[0]
     assert code == 1, f"rank 0 should fail, exited {code}:\n{output[-4000:]}"
-    err = json.loads((tmp_path / "dead_rank.rank0.json").read_text())
+    err = json.loads((out / "dead_rank.rank0.json").read_text())
     assert err["type"] == "CollectiveError", err
     assert re.search(r"torchneuron: all_reduce of \[float32\[64\]\] \(neuron:0\) failed on rank 0 of 2", err["message"]), err
     assert "peer process exited or stopped responding" in err["message"], err
     assert results[1][0] == 3   # the rank that died
 
 
-def test_unresponsive_rank_times_out_with_clear_error(tmp_path):
-    results = _launch(tmp_path, "stuck_rank", deadline=240)
+def test_unresponsive_rank_times_out_with_clear_error(failure_jobs):
+    out, job = failure_jobs["stuck_rank"]
+    results = job.result()
     code, output = results[0]
     assert code == 1, f"rank 0 should fail, exited {code}:\n{output[-4000:]}"
-    err = json.loads((tmp_path / "stuck_rank.rank0.json").read_text())
+    err = json.loads((out / "stuck_rank.rank0.json").read_text())
     assert err["type"] == "CollectiveError", err
     assert "Timed out" in err["message"] and "0:00:05" in err["message"], err
 
@@ -512,7 +535,7 @@ def _dcp_setup(seed):
     fully_shard(model.up, mesh=mesh)
     fully_shard(model.down, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
 
 
 def _dcp_step(dist, rank, model, opt, step):
@@ -597,7 +620,9 @@ def worker_dead_rank(out: Path):
 
 
 def worker_stuck_rank(out: Path):
-    dist, rank = _init(timeout_s=5, backend="neuron")
+    dist, rank = _init(backend="neuron")
+    # Start-up on a loaded machine can take longer than 5 s: only the collectives get the short timeout.
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=5))
     x = torch.ones(64, device="neuron")
 
     def loop():
@@ -605,7 +630,7 @@ def worker_stuck_rank(out: Path):
             if rank == 1 and step == 3:
                 time.sleep(15)   # alive but not joining the collective, well past the 5 s timeout
                 os._exit(0)
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=group)
     _record_failure(out, "stuck_rank", rank, loop)
 
 
