@@ -151,6 +151,31 @@ def test_mlp_forward_and_compiled_train_steps_match_cpu():
     assert torchneuron.metrics()["fallback_count"] == 0
 
 
+def test_compiled_step_with_grad_clipping_and_single_tensor_adam():
+    # Covers foreach norms (clip_grad_norm_), Dynamo's fma rewrite of addcmul_ (foreach=False)
+    # and amsgrad's maximum, all inside the compiled step.
+    cpu, dev = twin(mlp, seed=1)
+    x, y = torch.randn(16, 12), torch.randn(16, 5)
+    losses = []
+    for model, xx, yy, compiled in ((cpu, x, y, False), (dev, x.to("neuron"), y.to("neuron"), True)):
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False, amsgrad=True)
+
+        def step(a, b, model=model, opt=opt):
+            opt.zero_grad()
+            loss = F.mse_loss(model(a), b)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            return loss
+
+        run = torch.compile(step, backend="neuron") if compiled else step
+        losses.append([run(xx, yy).detach() for _ in range(4)])
+    for a, b in zip(losses[1], losses[0]):
+        close(a, b, rtol=1e-4, atol=1e-5)
+    for p, q in zip(dev.parameters(), cpu.parameters()):
+        close(p, q, rtol=1e-3, atol=1e-4)
+
+
 def test_cnn_with_batchnorm_trains_like_cpu_and_updates_running_stats():
     cpu, dev = twin(CNN)
     x, y = torch.randn(6, 3, 12, 12), torch.randint(0, 4, (6,))

@@ -93,15 +93,31 @@ def decompositions() -> dict:
     """Core-ATen decompositions, minus functional ops the registry lowers directly (eager's lowering
     of the op is then also the graph's, and the graph stays smaller)."""
     from torch._decomp import core_aten_decompositions
+    from torch._inductor import inductor_prims
+
     table = {}
     for op, fn in core_aten_decompositions().items():
-        if isinstance(op, torch._ops.OpOverload) and op.namespace == "aten":
-            mutable = any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
-            low = registry.get(op_name(op))
-            if low is not None and not mutable and not low.mutates:
-                continue
+        if isinstance(op, torch._ops.OpOverload) and op.namespace == "aten" and _lowered_directly(op):
+            continue
         table[op] = fn
+    # Dynamo itself rewrites addcmul_/addcdiv_ with a value into this prim.
+    table[inductor_prims.fma] = lambda a, b, c: torch.add(torch.mul(a, b), c)
     return table
+
+
+def _lowered_directly(op) -> bool:
+    name = op_name(op)
+    mutable = any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+    if not mutable:
+        low = registry.get(name)
+        return low is not None and not low.mutates
+    # In-place ops (lerp_.Scalar): functionalization rewrites them to their functional op plus a
+    # copy, so a lowering of the functional op covers them.
+    packet, _, overload = name.partition(".")
+    if packet.endswith("_") and not packet.endswith("__"):
+        low = registry.get(f"{packet[:-1]}.{overload}")
+        return low is not None and not low.mutates
+    return False
 
 
 def _is_symbolic(example_inputs) -> bool:
