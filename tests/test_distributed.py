@@ -3,8 +3,9 @@
 Each test launches worker processes (this file, run as a script: ``python test_distributed.py
 <worker> <out_dir>``) with the environment torchrun would give them, under a hard deadline so a
 hang fails the test instead of CI. Results are compared here against single-process CPU PyTorch.
-One launch ("suite") runs the scenarios that can share a process group, to pay process start-up
-and executable compilation once.
+One launch ("suite") runs the scenarios that can share a process group (collectives, tensor
+parallelism, FSDP2, pipeline parallelism, checkpoint saving), to pay process start-up and
+executable compilation once.
 """
 
 from __future__ import annotations
@@ -80,7 +81,12 @@ def _regression(step, batch=8, d=16):
     return torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g)
 
 
-FSDP_STEPS, TP_STEPS, DCP_STEPS, LR = 3, 3, 4, 0.1
+def pipeline_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()) for _ in range(4)])
+
+
+FSDP_STEPS, TP_STEPS, DCP_STEPS, PP_STEPS, PP_MICROBATCHES, LR = 3, 3, 4, 2, 2, 0.1
 
 
 # -- the launcher ---------------------------------------------------------------------------------
@@ -163,7 +169,7 @@ def failure_jobs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory, failure_jobs):
-    """One launch running the collectives, tensor-parallel, FSDP2 and checkpoint-saving scenarios."""
+    """One launch running the collectives, TP, FSDP2, pipeline and checkpoint-saving scenarios."""
     out = tmp_path_factory.mktemp("dist_suite")
     results = _launch(out, "suite")
     return out, results
@@ -227,6 +233,31 @@ def test_fsdp2_transformer_matches_cpu(suite):
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=1e-4, atol=1e-5)
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_pipeline_parallel_matches_cpu(suite):
+    out = _scenario(suite, "pipeline")
+    ref = pipeline_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    losses = []
+    for step in range(PP_STEPS):
+        x, y = _regression(step)
+        # GPipe: the mean of the micro-batch losses (gradients are scaled by the micro-batch count).
+        micro = [torch.nn.functional.mse_loss(ref(xm), ym) for xm, ym in
+                 zip(x.chunk(PP_MICROBATCHES), y.chunk(PP_MICROBATCHES))]
+        loss = sum(micro) / PP_MICROBATCHES
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append([m.item() for m in micro])
+    got = torch.load(out / "pipeline.rank1.pt")
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    per_stage = len(ref) // WORLD
+    for rank in range(WORLD):
+        stage_params = torch.load(out / f"pipeline.rank{rank}.pt")["params"]
+        expected = torch.nn.Sequential(*list(ref)[rank * per_stage:(rank + 1) * per_stage]).state_dict()
+        for name, value in expected.items():
+            torch.testing.assert_close(stage_params[name], value, rtol=1e-5, atol=1e-6, msg=f"stage {rank} {name}")
 
 
 def test_checkpoint_save_load_resume(suite, tmp_path):
@@ -526,6 +557,28 @@ def _scenario_fsdp(dist, rank, out):
         torch.save({"losses": losses, "params": params}, out / "fsdp.rank0.pt")
 
 
+def _scenario_pipeline(dist, rank, out):
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    per_stage = len(pipeline_model()) // WORLD
+    module = torch.nn.Sequential(*list(pipeline_model())[rank * per_stage:(rank + 1) * per_stage]).to("neuron")
+    stage = PipelineStage(module, rank, WORLD, torch.device("neuron", 0))
+    schedule = ScheduleGPipe(stage, n_microbatches=PP_MICROBATCHES, loss_fn=torch.nn.functional.mse_loss)
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    losses = []
+    for step in range(PP_STEPS):
+        x, y = _regression(step)
+        opt.zero_grad()
+        if rank == 0:
+            schedule.step(x.to("neuron"))
+        else:
+            micro = []
+            schedule.step(target=y.to("neuron"), losses=micro)
+            losses.append([m.item() for m in micro])
+        opt.step()
+    torch.save({"losses": losses, "params": {k: v.cpu() for k, v in module.state_dict().items()}},
+               out / f"pipeline.rank{rank}.pt")
+
+
 def _dcp_setup(seed):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -563,7 +616,7 @@ def _scenario_dcp_train(dist, rank, out):
 def worker_suite(out: Path):
     dist, rank = _init()   # the default device map: neuron tensors -> neuron, CPU tensors -> gloo
     for name, fn in [("collectives", _scenario_collectives), ("tp", _scenario_tp), ("fsdp", _scenario_fsdp),
-                     ("dcp_train", _scenario_dcp_train)]:
+                     ("pipeline", _scenario_pipeline), ("dcp_train", _scenario_dcp_train)]:
         try:
             result = fn(dist, rank, out)
             if result is not None and rank == 0:
