@@ -1,5 +1,13 @@
-import pytest
-import torch
+import os
+import tempfile
+
+# Each test process gets its own persistent compilation cache (tests that exercise the cache set
+# their own): concurrent workers must not read each other's half-written entries, and results
+# must not depend on what earlier runs left in the user's cache.
+os.environ.setdefault("TORCHNEURON_CACHE_DIR", tempfile.mkdtemp(prefix="torchneuron-test-cache-"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import torchneuron
 
