@@ -23,7 +23,11 @@ class Expect:
     match: str = ""                    # substring the failure message must contain
 
 
-EXPECTATIONS: list[Expect] = []
+EXPECTATIONS: list[Expect] = [
+    Expect("mode", "the index of a repeated mode value is implementation-defined: CPU's unstable sort of "
+           "large inputs returns an arbitrary occurrence, neuron returns the last one (the values match)",
+           checks=("forward",), match="out[1]"),
+]
 
 # (op, check) -> {dtype: (atol, rtol)}; each with the reason it needs more slack than the default.
 TOLERANCES: dict[tuple[str, str], dict] = {}

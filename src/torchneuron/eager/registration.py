@@ -228,6 +228,8 @@ def _kernel_table() -> dict:
     table["index_put.default"] = host_ops.make_index_put(table["index_put.default"], table["masked_fill.Tensor"])
     for name in ("index_put_.default", "_index_put_impl_.default"):
         table[name] = host_ops.make_index_put(table[name], table["masked_fill_.Tensor"])
+    from ..ops import data_dependent
+    table.update(data_dependent.KERNELS)
     from ..ops import hf_ops
     table.update(hf_ops.kernels(table))
     table["nonzero.default"] = host_ops.nonzero

@@ -9,6 +9,7 @@ from . import (  # noqa: F401  (each module registers its lowerings)
     linalg,
     nn,
     reductions,
+    sampling,
     shape,
     special,
     spectral,

@@ -511,3 +511,9 @@ def prelu(self, weight):
     if weight.ndim == 1 and self.ndim >= 2:
         weight = weight.reshape((1, -1) + (1,) * (self.ndim - 2))
     return jnp.where(self > 0, self, self * weight)
+
+
+@lowering("frexp.Tensor")
+def frexp(self):
+    mantissa, exponent = jnp.frexp(self)
+    return mantissa, exponent.astype(jnp.int32)

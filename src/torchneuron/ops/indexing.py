@@ -124,7 +124,8 @@ def scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
 @lowering("index_select.default")
 def index_select(self, dim, index):
     if self.ndim == 0:
-        return jnp.broadcast_to(self, index.shape)
+        # A 0-dim source gives a 0-dim result (its only element, selected by index 0).
+        return self
     dim = dim % self.ndim
     return jnp.take(self, _wrap(index.reshape(-1), self.shape[dim]), axis=dim)
 
@@ -202,3 +203,49 @@ def put(self, index, source, accumulate=False):
     src = source.reshape(-1)
     out = flat.at[idx].add(src) if accumulate else flat.at[idx].set(src)
     return out.reshape(self.shape)
+
+
+@lowering("nonzero_static.default")
+def nonzero_static(self, *, size, fill_value=-1):
+    # The first ``size`` nonzero positions in row-major order, padded with ``fill_value``.
+    flat = (self != 0).reshape(-1)
+    n = flat.shape[0]
+    order = jnp.argsort(~flat, stable=True)[:size] if n else jnp.zeros((0,), jnp.int64)
+    valid = flat[order] if n else jnp.zeros((0,), bool)
+    coords = jnp.stack(jnp.unravel_index(order, self.shape), axis=-1) if self.ndim else \
+        jnp.zeros((order.shape[0], 0), jnp.int64)
+    coords = jnp.where(valid[:, None], coords, fill_value).astype(jnp.int64)
+    if coords.shape[0] < size:
+        pad = jnp.full((size - coords.shape[0], max(self.ndim, 0)), fill_value, jnp.int64)
+        coords = jnp.concatenate([coords, pad], axis=0)
+    return coords
+
+
+@lowering("index_reduce.default", promote="result", promote_args=("self", "source"))
+def index_reduce(self, dim, index, source, reduce, *, include_self=True):
+    if self.ndim == 0:
+        self, source = self.reshape(1), source.reshape(1)
+        return index_reduce(self, 0, index, source, reduce, include_self=include_self).reshape(())
+    dim = dim % self.ndim
+    idx = _dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))
+    is_float = jnp.issubdtype(self.dtype, jnp.floating)
+    identity = {"prod": 1, "mean": 0,
+                "amax": -jnp.inf if is_float else jnp.iinfo(self.dtype).min,
+                "amin": jnp.inf if is_float else jnp.iinfo(self.dtype).max}[reduce]
+    base = self if include_self else self.at[idx].set(jnp.asarray(identity, self.dtype))
+    at = base.at[idx]
+    if reduce == "prod":
+        return at.multiply(source)
+    if reduce == "amax":
+        return at.max(source)
+    if reduce == "amin":
+        return at.min(source)
+    counts = jnp.zeros(self.shape[dim], jnp.int64).at[_wrap(index, self.shape[dim])].add(1)
+    counts = counts + (1 if include_self else 0)
+    shape = [1] * self.ndim
+    shape[dim] = -1
+    counts = counts.reshape(shape)
+    total = at.add(source)
+    safe = jnp.maximum(counts, 1)
+    out = total / safe if is_float else jnp.floor_divide(total, safe)
+    return jnp.where(counts == 0, self, out).astype(self.dtype)

@@ -402,3 +402,97 @@ def linalg_eigvals(self):
 def linalg_cross(self, other, *, dim=-1):
     shape = jnp.broadcast_shapes(self.shape, other.shape)
     return jnp.cross(jnp.broadcast_to(self, shape), jnp.broadcast_to(other, shape), axis=dim)
+
+
+# -- distances ----------------------------------------------------------------------------------
+def _pairwise(x1, x2, p, use_mm):
+    """(..., P, R) p-norm distances between the rows of x1 (..., P, M) and x2 (..., R, M)."""
+    x1, x2 = _broadcast_batch(x1, x2)
+    if p == 2 and use_mm:
+        # ATen's matrix-multiply form: |a|^2 + |b|^2 - 2 a.b, clamped at 0.
+        sq1 = jnp.sum(x1 * x1, -1, keepdims=True)
+        sq2 = jnp.sum(x2 * x2, -1, keepdims=True)
+        d2 = sq1 + _mT(sq2) - 2 * _mm(x1, _mT(x2))
+        return jnp.sqrt(jnp.maximum(d2, 0))
+    diff = jnp.abs(x1[..., :, None, :] - x2[..., None, :, :])
+    if p == 0:
+        return jnp.sum((diff != 0).astype(x1.dtype), -1)
+    if p == 1:
+        return jnp.sum(diff, -1)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(diff * diff, -1))
+    if p == float("inf"):
+        return jnp.max(diff, -1) if diff.shape[-1] else jnp.zeros(diff.shape[:-1], x1.dtype)
+    return jnp.sum(diff ** p, -1) ** (1.0 / p)
+
+
+def _cdist_uses_mm(x1, x2, compute_mode):
+    # compute_mode: None/0 -> mm when either side has more than 25 rows, 1 -> always, 2 -> never.
+    if compute_mode == 1:
+        return True
+    if compute_mode == 2:
+        return False
+    return x1.shape[-2] > 25 or x2.shape[-2] > 25
+
+
+@lowering("_cdist_forward.default")
+def cdist_forward(x1, x2, p, compute_mode):
+    return _pairwise(x1, x2, p, _cdist_uses_mm(x1, x2, compute_mode))
+
+
+def _distance_grad(diff, dist, p):
+    """d dist / d x1 of each pair (diff = x1 - x2), zero where the distance is zero (ATen)."""
+    dist = dist[..., None]
+    safe = jnp.where(dist == 0, 1, dist)
+    if p == 0:
+        return jnp.zeros_like(diff)
+    if p == 1:
+        return jnp.sign(diff)
+    if p == 2:
+        g = diff / safe
+    elif p == float("inf"):
+        g = jnp.sign(diff) * (jnp.abs(diff) == dist)
+    elif p < 2:
+        g = jnp.sign(diff) * jnp.abs(diff) ** (p - 1) / safe ** (p - 1)
+        g = jnp.where((diff == 0) & (p < 1), 0, g)
+    else:
+        g = diff * jnp.abs(diff) ** (p - 2) / safe ** (p - 1)
+    return jnp.where(dist == 0, 0, g)
+
+
+@lowering("_cdist_backward.default")
+def cdist_backward(grad, x1, x2, p, cdist):
+    if x1.size == 0 or x2.size == 0 or grad.size == 0:
+        return jnp.zeros_like(x1)     # ATen's early exit keeps x1's own shape
+    a, b = _broadcast_batch(x1, x2)
+    diff = a[..., :, None, :] - b[..., None, :, :]
+    # Like ATen, the gradient keeps the broadcast batch shape; autograd reduces it to x1's.
+    return jnp.sum(grad[..., None] * _distance_grad(diff, cdist, p), axis=-2)
+
+
+def _upper_pairs(n):
+    import numpy as np
+    i, j = np.triu_indices(n, 1)
+    return i, j
+
+
+@lowering("_pdist_forward.default")
+def pdist_forward(self, p=2.0):
+    i, j = _upper_pairs(self.shape[0])
+    diff = jnp.abs(self[i] - self[j])
+    if p == 0:
+        return jnp.sum((diff != 0).astype(self.dtype), -1)
+    if p == 1:
+        return jnp.sum(diff, -1)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(diff * diff, -1))
+    if p == float("inf"):
+        return jnp.max(diff, -1) if diff.shape[-1] else jnp.zeros(diff.shape[:-1], self.dtype)
+    return jnp.sum(diff ** p, -1) ** (1.0 / p)
+
+
+@lowering("_pdist_backward.default")
+def pdist_backward(grad, self, p, pdist):
+    i, j = _upper_pairs(self.shape[0])
+    g = grad[:, None] * _distance_grad(self[i] - self[j], pdist, p)
+    return jnp.zeros_like(self).at[i].add(g).at[j].add(-g)

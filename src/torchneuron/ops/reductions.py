@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .registry import lowering
@@ -382,3 +383,292 @@ def median_dim(self, dim, keepdim=False):
 @lowering("count_nonzero.dim_IntList")
 def count_nonzero(self, dim):
     return jnp.sum(self != 0, axis=dims(dim, self.ndim)).astype(jnp.int64)
+
+
+# -- searching and binning ----------------------------------------------------------------------
+def _searchsorted(seq, values, right, sorter=None):
+    """Insertion points of ``values`` in ``seq`` along the last dim (1-D seq: shared by all)."""
+    if values.size == 0 or seq.size == 0:
+        return jnp.zeros(values.shape, jnp.int64)
+    if sorter is not None:
+        seq = jnp.take_along_axis(seq, sorter, axis=-1)
+    side = "right" if right else "left"
+    if seq.ndim <= 1:
+        return jnp.searchsorted(seq, values, side=side)
+    lead = seq.shape[:-1]
+    flat_seq = seq.reshape((-1, seq.shape[-1]))
+    flat_val = values.reshape((flat_seq.shape[0], -1))
+    out = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side=side))(flat_seq, flat_val)
+    return out.reshape(lead + values.shape[len(lead):])
+
+
+def _right(right, side):
+    return side == "right" if side is not None else bool(right)
+
+
+@lowering("searchsorted.Tensor", "searchsorted.Scalar", promote="common", promote_args=("sorted_sequence", "self"))
+def searchsorted(sorted_sequence, self, *, out_int32=False, right=False, side=None, sorter=None):
+    out = _searchsorted(sorted_sequence, jnp.asarray(self), _right(right, side), sorter)
+    return out.astype(jnp.int32 if out_int32 else jnp.int64)
+
+
+@lowering("bucketize.Tensor", "bucketize.Scalar", promote="common", promote_args=("self", "boundaries"))
+def bucketize(self, boundaries, *, out_int32=False, right=False):
+    out = jnp.searchsorted(boundaries, jnp.asarray(self), side="right" if right else "left")
+    return out.astype(jnp.int32 if out_int32 else jnp.int64)
+
+
+def _bin_index(x, edges):
+    """Bin of each x among ``edges`` (last bin closed), -1 when outside -- ATen's linear guess
+    corrected by one step against the actual edges, so both agree exactly."""
+    bins = edges.shape[0] - 1
+    lo, hi = edges[0], edges[-1]
+    pos = jnp.floor((x - lo) / (hi - lo) * bins)
+    pos = jnp.clip(jnp.where(jnp.isfinite(pos), pos, 0), 0, bins - 1).astype(jnp.int64)
+    pos = jnp.where(x < edges[pos], pos - 1, pos)
+    nxt = jnp.clip(pos + 1, 0, bins)
+    pos = jnp.where((pos + 1 <= bins - 1) & (x >= edges[nxt]), pos + 1, pos)
+    inside = (x >= lo) & (x <= hi)
+    return jnp.where(inside, jnp.clip(pos, 0, bins - 1), -1)
+
+
+def _histogram(x, edges_list, weight, density, dtype):
+    """Weighted counts of the rows of x (N, D) over per-dim edges (D lists)."""
+    shape = tuple(e.shape[0] - 1 for e in edges_list)
+    flat = jnp.zeros((), jnp.int64)
+    valid = jnp.ones(x.shape[:1], bool)
+    for d, edges in enumerate(edges_list):
+        idx = _bin_index(x[:, d], edges)
+        valid = valid & (idx >= 0)
+        flat = flat * shape[d] + jnp.maximum(idx, 0)
+    w = weight.reshape(-1).astype(dtype) if weight is not None else jnp.ones(x.shape[:1], dtype)
+    hist = jnp.zeros((max(int(np.prod(shape)), 1),), dtype).at[flat].add(jnp.where(valid, w, 0))
+    hist = hist[: int(np.prod(shape))].reshape(shape)
+    if density:
+        total = jnp.sum(hist)
+        for d, edges in enumerate(edges_list):
+            widths = (edges[1:] - edges[:-1]).astype(dtype)
+            hist = hist / widths.reshape([-1 if i == d else 1 for i in range(len(shape))])
+        hist = hist / total
+    return hist
+
+
+def _outer_edges(x, ranges, dims_, widen):
+    """Per-dim (min, max): the given range, else the data's; equal ends are widened by ``widen``."""
+    out = []
+    for d in range(dims_):
+        if ranges is not None:
+            lo, hi = jnp.asarray(ranges[2 * d], x.dtype), jnp.asarray(ranges[2 * d + 1], x.dtype)
+        elif x.shape[0]:
+            lo, hi = jnp.min(x[:, d]), jnp.max(x[:, d])
+        else:
+            # No data and no range: ATen uses [0, 1].
+            lo, hi = jnp.asarray(0, x.dtype), jnp.asarray(1, x.dtype)
+        same = lo == hi
+        out.append((jnp.where(same, lo - widen, lo), jnp.where(same, hi + widen, hi)))
+    return out
+
+
+def _linspace(lo, hi, n, dtype):
+    step = (hi - lo) / (n - 1) if n > 1 else 0
+    i = jnp.arange(n, dtype=dtype)
+    # Filled from both ends, as torch.linspace does, so the last edge is exactly ``hi``.
+    return jnp.where(i < n // 2, lo + step * i, hi - step * (n - 1 - i)).astype(dtype)
+
+
+@lowering("histogram.bin_ct")
+def histogram_bin_ct(self, bins=100, *, range=None, weight=None, density=False):
+    x = self.reshape(-1, 1)
+    (lo, hi), = _outer_edges(x, range, 1, 0.5)
+    edges = _linspace(lo, hi, bins + 1, self.dtype)
+    return _histogram(x, [edges], weight, density, self.dtype), edges
+
+
+@lowering("histogram.bins_tensor")
+def histogram_bins_tensor(self, bins, *, weight=None, density=False):
+    return _histogram(self.reshape(-1, 1), [bins], weight, density, self.dtype), bins
+
+
+def _dd_edges(self, bins, range):
+    x = self.reshape(-1, self.shape[-1])
+    outer = _outer_edges(x, range, x.shape[1], 0.5)
+    return x, [_linspace(lo, hi, b + 1, self.dtype) for (lo, hi), b in zip(outer, bins)]
+
+
+@lowering("_histogramdd_bin_edges.default")
+def histogramdd_bin_edges(self, bins, *, range=None, weight=None, density=False):
+    return _dd_edges(self, bins, range)[1]
+
+
+@lowering("_histogramdd_from_bin_cts.default")
+def histogramdd_from_bin_cts(self, bins, *, range=None, weight=None, density=False):
+    x, edges = _dd_edges(self, bins, range)
+    return _histogram(x, edges, weight, density, self.dtype)
+
+
+@lowering("_histogramdd_from_bin_tensors.default")
+def histogramdd_from_bin_tensors(self, bins, *, weight=None, density=False):
+    x = self.reshape(-1, self.shape[-1])
+    return _histogram(x, list(bins), weight, density, self.dtype)
+
+
+@lowering("mode.default")
+def mode(self, dim=-1, keepdim=False):
+    """Most frequent value (the smallest on ties) and the index of its last occurrence."""
+    if self.ndim == 0:
+        return self, jnp.zeros((), jnp.int64)
+    dim = dim % self.ndim
+    x = jnp.moveaxis(self, dim, -1)
+    n = x.shape[-1]
+    if n == 0:
+        raise ValueError("mode of an empty dimension")
+    vals, idx = sort_stable(x, stable=True, dim=-1)
+    same_prev = jnp.concatenate([jnp.zeros(x.shape[:-1] + (1,), bool), vals[..., 1:] == vals[..., :-1]], -1)
+    # Length of the run ending at each position.
+    pos = jnp.arange(n)
+    start = lax.cummax(jnp.where(same_prev, 0, pos), axis=x.ndim - 1)
+    run = pos - start + 1
+    # The first longest run is the smallest value among ties.
+    best = jnp.argmax(run, axis=-1)
+    value = jnp.take_along_axis(vals, best[..., None], -1)[..., 0]
+    index = jnp.max(jnp.where(x == value[..., None], jnp.arange(n), -1), axis=-1)
+    if keepdim:
+        value, index = jnp.expand_dims(value, dim), jnp.expand_dims(index, dim)
+    return value, index.astype(jnp.int64)
+
+
+def _nanmedian(x, axis):
+    """Lower median of the non-NaN values along ``axis`` (NaN when there are none), and its index."""
+    vals, idx = sort_stable(x, stable=True, dim=axis)        # NaNs sort last
+    count = jnp.sum(~jnp.isnan(x), axis=axis, keepdims=True)
+    k = jnp.maximum(count - 1, 0) // 2
+    v = jnp.take_along_axis(vals, k, axis=axis)
+    i = jnp.take_along_axis(idx, k, axis=axis)
+    return jnp.where(count == 0, jnp.nan, v), i
+
+
+@lowering("nanmedian.default")
+def nanmedian_all(self):
+    if not jnp.issubdtype(self.dtype, jnp.floating):
+        return median_all(self)
+    v, _ = _nanmedian(self.reshape(-1), 0)
+    return v.reshape(())
+
+
+@lowering("nanmedian.dim")
+def nanmedian_dim(self, dim, keepdim=False):
+    if self.ndim == 0:
+        return self, jnp.zeros((), jnp.int64)
+    if not jnp.issubdtype(self.dtype, jnp.floating):
+        return median_dim(self, dim, keepdim)
+    dim = dim % self.ndim
+    v, i = _nanmedian(self, dim)
+    if not keepdim:
+        v, i = jnp.squeeze(v, dim), jnp.squeeze(i, dim)
+    return v, i
+
+
+_SEGMENT_INIT = {"sum": 0.0, "mean": jnp.nan, "prod": 1.0, "max": -jnp.inf, "min": jnp.inf}
+
+
+def _segment_reduce(data, reduce, lengths, axis, initial):
+    """Reduce consecutive runs of ``lengths[..., s]`` elements of ``data`` along ``axis``."""
+    axis = axis % data.ndim
+    x = jnp.moveaxis(data, axis, lengths.ndim - 1)      # segments dim right after the batch dims
+    lengths = lengths.astype(jnp.int64)
+    n = x.shape[lengths.ndim - 1]
+    ends = jnp.cumsum(lengths, axis=-1)
+    # segment id of each element position (per batch row)
+    pos = jnp.arange(n)
+    seg = jax.vmap(lambda e: jnp.searchsorted(e, pos, side="right"))(ends.reshape(-1, ends.shape[-1]))
+    seg = seg.reshape(lengths.shape[:-1] + (n,))
+    s = lengths.shape[-1]
+    batch = lengths.shape[:-1]
+    rest = x.shape[lengths.ndim:]
+    seg_b = seg.reshape(seg.shape + (1,) * len(rest))
+    if reduce in ("sum", "mean"):
+        op_init, combine = 0, "add"
+    elif reduce == "prod":
+        op_init, combine = 1, "multiply"
+    elif reduce == "max":
+        op_init, combine = -jnp.inf, "max"
+    else:
+        op_init, combine = jnp.inf, "min"
+    base = jnp.full(batch + (s + 1,) + rest, op_init, x.dtype)
+    idx = tuple(jnp.indices(batch + (n,) + rest, sparse=True))
+    idx = idx[:len(batch)] + (jnp.broadcast_to(seg_b, batch + (n,) + rest),) + idx[len(batch) + 1:]
+    out = lax.slice_in_dim(getattr(base.at[idx], combine)(x), 0, s, axis=len(batch))
+    if reduce == "mean":
+        # ATen: (initial + sum) / count for non-empty segments.
+        cnt = lengths.reshape(lengths.shape + (1,) * len(rest)).astype(x.dtype)
+        out = (out + (initial if initial is not None else 0)) / cnt
+    empty = (lengths == 0).reshape(lengths.shape + (1,) * len(rest))
+    fill = _SEGMENT_INIT[reduce] if initial is None else initial
+    if initial is not None and reduce != "mean":
+        # ``initial`` also seeds non-empty segments.
+        if reduce == "sum":
+            out = out + initial
+        elif reduce == "prod":
+            out = out * initial
+        elif reduce == "max":
+            out = jnp.maximum(out, initial)
+        else:
+            out = jnp.minimum(out, initial)
+    out = jnp.where(empty, jnp.asarray(fill, x.dtype), out)
+    return jnp.moveaxis(out, lengths.ndim - 1, axis)
+
+
+def _lengths(lengths, offsets):
+    return lengths if lengths is not None else offsets[..., 1:] - offsets[..., :-1]
+
+
+@lowering("segment_reduce.default", static_scalars=True)
+def segment_reduce(data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False, initial=None):
+    return _segment_reduce(data, reduce, _lengths(lengths, offsets), axis, initial)
+
+
+def _segment_prod_dense(data, lengths, axis, initial):
+    """Segment products through a dense (segment x element) mask: differentiable with zeros
+    handled exactly (JAX has no gradient for scatter-multiply)."""
+    axis = axis % data.ndim
+    x = jnp.moveaxis(data, axis, lengths.ndim - 1)
+    nb = lengths.ndim - 1
+    n = x.shape[nb]
+    ends = jnp.cumsum(lengths.astype(jnp.int64), axis=-1)
+    starts = ends - lengths
+    pos = jnp.arange(n)
+    member = (pos >= starts[..., None]) & (pos < ends[..., None])            # batch + (S, n)
+    member = member.reshape(member.shape + (1,) * (x.ndim - nb - 1))
+    xs = jnp.expand_dims(x, nb)                                              # batch + (1, n, rest)
+    out = jnp.prod(jnp.where(member, xs, 1), axis=nb + 1)
+    if initial is not None:
+        out = out * initial
+    empty = (lengths == 0).reshape(lengths.shape + (1,) * (x.ndim - nb - 1))
+    out = jnp.where(empty, jnp.asarray(1.0 if initial is None else initial, x.dtype), out)
+    return jnp.moveaxis(out, nb, axis)
+
+
+@lowering("_segment_reduce_backward.default", static_scalars=True)
+def segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offsets=None, axis=0, initial=None):
+    lens = _lengths(lengths, offsets)
+    if reduce == "prod":
+        _, vjp = jax.vjp(lambda d: _segment_prod_dense(d, lens, axis, initial), data)
+    else:
+        _, vjp = jax.vjp(lambda d: _segment_reduce(d, reduce, lens, axis, initial), data)
+    return vjp(grad.astype(data.dtype))[0]
+
+
+@lowering("hash_tensor.default")
+def hash_tensor(self, dim=(), *, keepdim=False, mode=0):
+    # Upcast to the 64-bit type of the same kind, bitcast to uint64, xor-reduce.
+    if jnp.issubdtype(self.dtype, jnp.floating):
+        wide = lax.bitcast_convert_type(self.astype(jnp.float64), jnp.uint64)
+    elif self.dtype == jnp.bool_ or jnp.issubdtype(self.dtype, jnp.unsignedinteger):
+        wide = self.astype(jnp.uint64)
+    else:
+        wide = lax.bitcast_convert_type(self.astype(jnp.int64), jnp.uint64)
+    axes = dims(dim, self.ndim)
+    out = lax.reduce(wide, np.uint64(0), lax.bitwise_xor, axes)
+    if keepdim:
+        out = out.reshape([1 if d in axes else s for d, s in enumerate(self.shape)])
+    return out
