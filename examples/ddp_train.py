@@ -14,6 +14,7 @@ single-process step on the full batch (tests/test_distributed.py checks exactly 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,11 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch_size % world:
         raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the world size {world}")
-    device = torch.accelerator.current_accelerator()
+    # One process per device; on the CPU PJRT platform every process has its own neuron:0.
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(torch.accelerator.current_accelerator().type,
+                          local_rank % torch.accelerator.device_count())
+    torch.accelerator.set_device_index(device.index)
 
     model = DistributedDataParallel(make_model().to(device))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
