@@ -56,7 +56,8 @@ GRAD_RTOL = 2e-3
 # Config fields by meaning: every spelling that architectures use for the same size.
 _HIDDEN = ("hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "model_dim", "dim", "d_embed",
            "hidden_dim", "word_embed_proj_dim", "embedding_size", "emb_dim", "embedding_dim", "attention_hidden_size",
-           "input_embedding_size", "output_embedding_size", "pronunciation_embed_dim", "shape_embed_dim")
+           "input_embedding_size", "output_embedding_size", "pronunciation_embed_dim", "shape_embed_dim",
+           "hidden_size_global")
 _LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "decoder_layers", "encoder_layers",
            "num_decoder_layers", "num_encoder_layers", "num_blocks")
 _HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
@@ -72,7 +73,7 @@ _POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", 
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts",
             "n_experts")
 _VOCABS = ("vocab_size", "unpadded_vocab_size", "shape_vocab_size", "pronunciation_vocab_size", "n_words",
-           "decoder_vocab_size")
+           "decoder_vocab_size", "encoder_hash_byte_group_vocab")
 _TOP_K = ("num_experts_per_token", "num_experts_per_tok", "top_k", "moe_topk", "num_selected_experts", "moe_top_k", "experts_per_token", "moe_k")
 _SMALL = {  # other sizes: name -> tiny value
     "n_shared_experts": 1, "num_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
@@ -104,6 +105,11 @@ _ARCH_OVERRIDES = {
                  "L_bp_cycles": [1]},
     "gemma3n_text": {"num_kv_shared_layers": 0},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "mamba2": {"num_heads": 8},                            # heads * head_dim = expand * hidden
+    "zaya": {"num_experts_per_tok": 1},                    # the only routing it supports
+    "dots3_note": {"text_config": {"head_dim": 16}},       # = qk_nope_head_dim + qk_rope_head_dim
+    "dots3_note_text": {"head_dim": 16},
+    "gemma4_unified_assistant": {"num_kv_shared_layers": 0},
     "gemma3n": {"text_config": {"num_kv_shared_layers": 0}},
 }
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
@@ -237,7 +243,6 @@ def _inputs(vocab: int, seed: int = 0):
 def build_model(model_type: str, seed: int = 0):
     """The tiny model (CPU, eval mode, seeded random weights) and its config."""
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     cfg = tiny_config(model_type)
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
@@ -249,7 +254,8 @@ def build_model(model_type: str, seed: int = 0):
         cfg = part if part is not None else cfg
     torch.manual_seed(seed)
     try:
-        model = AutoModelForCausalLM.from_config(cfg)
+        # The class itself: a sub-config (emu3's text config) has no entry of its own in the mapping.
+        model = model_cls._from_config(cfg)
     except ImportError as err:
         raise NotBuildable(f"needs an extra package: {_first_line(err) or 'ImportError'}") from err
     except Exception as err:
