@@ -124,14 +124,20 @@ def _code_fingerprint() -> str:
                    dev.platform, dev.device_kind, pjrt.platform_version(),
                    os.environ.get("XLA_FLAGS", ""))).encode())
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for folder, dirs, files in sorted(os.walk(root)):
-        dirs.sort()
-        for name in sorted(files):
-            if name.endswith(".py"):
-                with open(os.path.join(folder, name), "rb") as f:
-                    h.update(name.encode())
-                    h.update(f.read())
+    for rel in _LOWERING_SOURCES:
+        path = os.path.join(root, rel)
+        files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".py")) \
+            if os.path.isdir(path) else [path]
+        for name in files:
+            with open(name, "rb") as f:
+                h.update(os.path.relpath(name, root).encode())
+                h.update(f.read())
     return h.hexdigest()
+
+
+# The code that decides what a graph computes: lowerings, the interpreter, layouts, dtype rules.
+_LOWERING_SOURCES = ("ops", "compile", "eager/kernel.py", "eager/layout.py", "runtime/dtypes.py",
+                     "runtime/rng.py", "config.py")
 
 
 def graph_key(graph_hash: str, signature, device_index: int) -> str:

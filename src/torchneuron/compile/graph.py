@@ -516,6 +516,7 @@ class GraphProgram:
             metrics.compile_seconds += seconds
             metrics.extra["graph_compile_seconds"] += seconds
             metrics.extra["graph_persistent_cache_hits"] += 1
+            metrics.extra["graph_index_hits"] += 1
             exe = _Executable(compiled, meta["n_new"], meta["n_host"], tuple(meta["writes"]),
                               tuple(meta["host_writes"]), meta["name"])
             _shared_executables[shared_key] = exe
