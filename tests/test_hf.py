@@ -204,6 +204,7 @@ def _trainer_losses(tmp_path, use_cpu: bool):
                              max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
                              report_to=[], save_strategy="no", seed=0, disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=_TokenDataset())
+    torchneuron.metrics.reset()
     trainer.train()
     device = next(trainer.model.parameters()).device
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], device, args
@@ -216,6 +217,8 @@ def test_trainer_on_neuron_matches_cpu(tmp_path):
     assert args.device.type == "neuron" and device.type == "neuron" and cpu_device.type == "cpu"
     assert len(got) == len(want) == 3
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-5)
+    # Model, loss and the default fused AdamW all ran on lowered ops.
+    assert torchneuron.metrics()["fallbacks"] == {}
 
 
 # -- what transformers and accelerate ask of the device -------------------------------------------
@@ -229,7 +232,11 @@ def test_transformers_and_accelerate_detect_neuron():
     assert is_torch_neuron_available()
     assert is_neuron_available()
     assert is_torch_bf16_gpu_available()
-    assert PartialState().default_device.type == "neuron"
+    state = PartialState()
+    try:
+        assert state.device.type == "neuron"
+    finally:
+        PartialState._reset_state()   # a process-wide singleton: leave none behind for other tests
     args = TrainingArguments(output_dir="unused", report_to=[])
     assert args.device == torch.device("neuron:0")
     args = TrainingArguments(output_dir="unused", report_to=[], torch_compile=True)

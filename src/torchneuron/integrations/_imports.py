@@ -18,17 +18,14 @@ _lock = threading.Lock()
 def when_imported(name: str, patch: Callable) -> None:
     """Call ``patch(module)`` once module ``name`` has been executed."""
     module = sys.modules.get(name)
-    if module is not None and getattr(module, "__spec__", None) is not None and not _initialising(module):
+    if module is not None:
+        # Already imported (or being imported: its definitions so far are what importers will see).
         patch(module)
         return
     with _lock:
         _pending.setdefault(name, []).append(patch)
         if not any(isinstance(f, _Finder) for f in sys.meta_path):
             sys.meta_path.insert(0, _Finder())
-
-
-def _initialising(module) -> bool:
-    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
 class _Finder(importlib.abc.MetaPathFinder):
