@@ -566,7 +566,7 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def render(rows: list[dict], command: str) -> str:
+def render(rows: list[dict], command: str, not_run: list[str] = ()) -> str:
     s = summarise(rows)
     out = [
         "# Hugging Face causal-LM architecture coverage on neuron",
@@ -586,7 +586,7 @@ def render(rows: list[dict], command: str) -> str:
         "",
         "| | count | share |",
         "| --- | ---: | ---: |",
-        f"| architectures in the mapping | {s['total']} | |",
+        f"| architectures in the mapping | {s['total'] + len(not_run)} | |",
         f"| buildable offline | {s['buildable']} | |",
         f"| pass forward + backward + generate | {s['passed']} | {_pct(s['passed'], s['buildable'])} of buildable |",
         f"| forward matches CPU | {s['forward_ok']} | {_pct(s['forward_ok'], s['buildable'])} of buildable |",
@@ -594,6 +594,7 @@ def render(rows: list[dict], command: str) -> str:
         f"{s['generate_checked']} | {_pct(s['generate_ok'], s['generate_checked'])} |",
         f"| passing architectures that used a CPU fallback | {s['with_fallbacks']} | |",
         f"| not buildable | {s['not_buildable']} | |",
+        *([f"| not run (sweep stopped before them: {', '.join(not_run)}) | {len(not_run)} | |"] if not_run else []),
         "",
         "## Per architecture",
         "",
@@ -667,10 +668,11 @@ def main(argv=None) -> int:
         if not args.resume and args.results.exists():
             args.results.unlink()
         sweep(archs, args.results, args.timeout, not args.no_generate, args.jobs)
-    rows = [r for a, r in _done(args.results).items() if a in archs]
+    done = _done(args.results)
+    rows = [r for a, r in done.items() if a in archs]
     command = "python -m torchneuron.tools.hf_coverage" + (" " + " ".join(args.archs) if args.archs else "")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(render(rows, command))
+    args.output.write_text(render(rows, command, [a for a in archs if a not in done]))
     s = summarise(rows)
     print(f"{s['passed']}/{s['buildable']} buildable architectures pass ({_pct(s['passed'], s['buildable'])}); "
           f"{s['not_buildable']} not buildable; report: {args.output}")
