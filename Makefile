@@ -19,10 +19,10 @@ demo: $(STAMP)
 	$(PY) examples/train_classifier.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m ""
+	$(PY) -m pytest -q -n 2 --dist worksteal -m ""
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
