@@ -138,8 +138,10 @@ def test_entry_point_names_the_backend():
 def test_mlp_forward_and_compiled_train_steps_match_cpu():
     cpu, dev = twin(mlp)
     x, y = torch.randn(16, 12), torch.randn(16, 5)
-    with torch.no_grad():
-        close(torch.compile(dev, backend="neuron")(x.to("neuron")), cpu(x))
+    with torch.no_grad():                     # an inference graph
+        out = torch.compile(dev, backend="neuron")(x.to("neuron"))
+    assert not out.requires_grad
+    close(out, cpu(x))
     cpu_losses, _ = train_steps(cpu, x, y, F.mse_loss, 10, compile_step=False)
     dev_losses, opt = train_steps(dev, x.to("neuron"), y.to("neuron"), F.mse_loss, 10, compile_step=True)
     for a, b in zip(dev_losses, cpu_losses):
@@ -296,16 +298,6 @@ def test_random_ops_inside_graphs_follow_the_device_generator():
     torch.manual_seed(7)
     assert torch.equal(g(x).cpu(), a)
     assert abs(a.mean().item() - 0.5) < 0.15
-
-
-def test_no_grad_inference_graph():
-    cpu, dev = twin(mlp)
-    x = torch.randn(8, 12)
-    compiled = torch.compile(dev, backend="neuron")
-    with torch.no_grad():
-        out = compiled(x.to("neuron"))
-    assert not out.requires_grad
-    close(out, cpu(x))
 
 
 # -- caching and dumps ----------------------------------------------------------------------------

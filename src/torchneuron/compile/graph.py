@@ -319,18 +319,19 @@ class GraphProgram:
             if name in _SYM:
                 steps.append(_Step(node, "sym"))
                 continue
-            if name is not None and name.startswith("_foreach_"):
-                plan = foreach_plan(target)
-                if plan is None:
-                    missing.append((node, "no lowering for its element-wise base op"))
-                else:
-                    steps.append(_Step(node, "foreach", plan))
-                continue
             k = kernel_for(target)
-            if k is None:
-                missing.append((node, "the op has no neuron lowering"))
+            if k is not None:
+                steps.append(_Step(node, "index_put" if name in _INDEX_PUT else "op", k))
                 continue
-            steps.append(_Step(node, "index_put" if name in _INDEX_PUT else "op", k))
+            if name is not None and name.startswith("_foreach_"):
+                # No lowering of the foreach op itself: lower it element by element.
+                plan = foreach_plan(target)
+                if plan is not None:
+                    steps.append(_Step(node, "foreach", plan))
+                    continue
+                missing.append((node, "neither it nor its element-wise base op has a neuron lowering"))
+                continue
+            missing.append((node, "the op has no neuron lowering"))
         return steps, constants, missing
 
     def _plan_outputs(self):
