@@ -109,7 +109,7 @@ _ARCH_OVERRIDES = {
     "zaya": {"num_experts_per_tok": 1},                    # the only routing it supports
     "dots3_note": {"text_config": {"head_dim": 16}},       # = qk_nope_head_dim + qk_rope_head_dim
     "dots3_note_text": {"head_dim": 16},
-    "gemma4_unified_assistant": {"num_kv_shared_layers": 0},
+    "gemma4_unified_assistant": {"text_config": {"num_kv_shared_layers": LAYERS}},   # all layers share KV
     "gemma3n": {"text_config": {"num_kv_shared_layers": 0}},
 }
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
@@ -216,7 +216,7 @@ def tiny_config(model_type: str):
         try:
             cfg = cls(**small)
         except Exception:
-            raise NotBuildable(f"tiny config rejected: {type(err).__name__}: {_first_line(err)}") from err
+            raise NotBuildable(_rejected(model_type, err).replace("model rejects", "config class rejects")) from err
     cfg.use_cache = True
     return cfg
 
@@ -259,7 +259,7 @@ def build_model(model_type: str, seed: int = 0):
     except ImportError as err:
         raise NotBuildable(f"needs an extra package: {_first_line(err) or 'ImportError'}") from err
     except Exception as err:
-        raise NotBuildable(f"model rejects the tiny config: {type(err).__name__}: {_first_line(err)}") from err
+        raise NotBuildable(_rejected(model_type, err)) from err
     prepare = _PREPARE.get(model_type)
     if prepare is not None:
         prepare(model)
@@ -280,6 +280,21 @@ def _break_ties(model, seed: int) -> None:
         for t in tensors:
             if t.is_floating_point() and t.numel() > 1 and bool((t == t.reshape(-1)[0]).all()):
                 t.add_(torch.randn(t.shape, generator=g, dtype=t.dtype) * 0.02)
+
+
+def _rejected(model_type: str, err: Exception) -> str:
+    """Why the model class rejected the tiny config, and whether its full-size default fails too."""
+    import torch
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    reason = f"{type(err).__name__}: {_first_line(err)}"
+    try:
+        default = CONFIG_MAPPING[model_type]()
+        with torch.device("meta"):   # no memory: only whether the class accepts its own default
+            MODEL_FOR_CAUSAL_LM_MAPPING[type(default)](default)
+    except Exception:
+        return f"transformers cannot build it from its own default config either: {reason}"
+    return f"model rejects the tiny config: {reason}"
 
 
 def _xmod_language(model):
