@@ -488,7 +488,8 @@ def mish_backward(grad_output, self):
 
 @lowering("log_sigmoid_forward.default", promote="result", promote_args=("self",))
 def log_sigmoid_forward(self):
-    return jax.nn.log_sigmoid(self), jnp.zeros((0,), self.dtype)
+    # The buffer is exp(-|x|) on CPU (same shape as the input); the backward lowering ignores it.
+    return jax.nn.log_sigmoid(self), jnp.exp(-jnp.abs(self))
 
 
 @lowering("log_sigmoid_backward.default", promote="result", promote_args=("grad_output", "self"))
