@@ -222,8 +222,13 @@ def tiny_config(model_type: str):
 
 
 def _first_line(err) -> str:
-    text = str(err).strip().splitlines()
-    return (text[0] if text else type(err).__name__)[:300]
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    text = lines[0]
+    if text.endswith(":") and len(lines) > 1:   # "validation error for ...:" then the actual error
+        text += " " + lines[1]
+    return text[:300]
 
 
 # -- one architecture ------------------------------------------------------------------------------
