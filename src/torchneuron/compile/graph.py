@@ -375,7 +375,7 @@ class GraphProgram:
         where = {}
         for (_storage, torch_dtype), members in groups.items():
             nodes = list(members)
-            dtype = device_dtype(torch_dtype, "torch.compile output")
+            dtype = device_dtype(torch_dtype, _metric_name(nodes[0]))
             j = len(self.buffers)
             if len(nodes) == 1:
                 val = nodes[0].meta["val"]
