@@ -30,7 +30,11 @@ EXPECTATIONS: list[Expect] = [
 ]
 
 # (op, check) -> {dtype: (atol, rtol)}; each with the reason it needs more slack than the default.
-TOLERANCES: dict[tuple[str, str], dict] = {}
+TOLERANCES: dict[tuple[str, str], dict] = {
+    # The grid gradient sums over all channels of 20x21x22x23x24 inputs; a few of ~10^5 elements
+    # differ by ~5e-4 from CPU's accumulation order.
+    ("grid_sampler_3d", "grad"): {torch.float32: (1e-3, 1e-3)},
+}
 
 
 def expected(name: str, dtype: torch.dtype, check: str, sample, detail: str) -> str | None:

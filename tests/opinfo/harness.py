@@ -36,7 +36,11 @@ from torchneuron.metrics import metrics
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from torch.testing._internal.common_methods_invocations import op_db
+    from torch.testing._internal import common_methods_invocations as _cmi
+    # op_db plus the _foreach_* entries, which PyTorch keeps in separate lists.
+    op_db = list(_cmi.op_db) + [op for name in ("foreach_unary_op_db", "foreach_binary_op_db",
+                                                "foreach_pointwise_op_db", "foreach_reduce_op_db",
+                                                "foreach_other_op_db") for op in getattr(_cmi, name, [])]
 
 from . import expectations
 

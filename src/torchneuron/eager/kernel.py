@@ -48,7 +48,8 @@ def _kind(arg) -> int:
         return _TENSOR
     if t == "Optional[Tensor]":
         return _OPT_TENSOR
-    if t == "List[Tensor]":
+    if t == "List[Tensor]" or t == "List[number]":
+        # Scalar[] (the _foreach_*.ScalarList ops): runtime values, like a list's wrapped numbers.
         return _TENSOR_LIST
     if t == "List[Optional[Tensor]]":
         return _OPT_TENSOR_LIST
@@ -510,7 +511,8 @@ def call_lowering(k, values, promote, key, n_mut, n_new):
     kw.update({n: v for n, v, kwo in zip(k.arg_names, values, k.kwarg_only) if kwo})
     result = k.lowering.fn(*pos, **kw)
     if k.functional is not None and not isinstance(result, tuple):
-        result = (result,)
+        # In-place forms of list ops (_foreach_add_) mutate every tensor of the list.
+        result = tuple(result) if isinstance(result, list) else (result,)
     results = list(result) if isinstance(result, list | tuple) else [result]
     # Mutated arguments come first in what a lowering returns, then new outputs.
     mutated_vals = results[:n_mut] if k.mutated else []

@@ -292,6 +292,8 @@ def register_all() -> None:
     _libs.append(lib)
     for name, fn in _kernel_table().items():
         lib.impl(name.removesuffix(".default"), fn, "PrivateUse1")
+    from ..ops import rnn
+    rnn.install(lib)   # fused LSTM/GRU/RNN: an autograd kernel, as these ATen ops are composite
     fallback_lib = torch.library.Library("_", "IMPL")
     fallback_lib.fallback(neuron_fallback, "PrivateUse1")
     _libs.append(fallback_lib)

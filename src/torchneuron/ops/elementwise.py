@@ -518,3 +518,25 @@ def prelu(self, weight):
 def frexp(self):
     mantissa, exponent = jnp.frexp(self)
     return mantissa, exponent.astype(jnp.int32)
+
+
+@lowering("softshrink_backward.default", promote="result", promote_args=("grad_output", "self"))
+def softshrink_backward(grad_output, self, lambd):
+    return jnp.where((self >= -lambd) & (self <= lambd), 0, grad_output)
+
+
+@lowering("hardshrink_backward.default", promote="result", promote_args=("grad_out", "self"))
+def hardshrink_backward(grad_out, self, lambd):
+    return jnp.where((self >= -lambd) & (self <= lambd), 0, grad_out)
+
+
+@lowering("rrelu_with_noise.default", random=True)
+def rrelu_with_noise(self, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None, *, key):
+    """Returns the new noise (slopes; 1 for non-negative inputs) and the output, as ATen does."""
+    if not training:
+        slope = (lower + upper) / 2
+        return noise, jnp.where(self >= 0, self, self * slope)
+    compute = jnp.float32 if self.dtype in (jnp.float16, jnp.bfloat16) else self.dtype
+    r = jax.random.uniform(key, self.shape, compute, lower, upper).astype(self.dtype)
+    slopes = jnp.where(self >= 0, jnp.ones_like(self), r)
+    return slopes.astype(noise.dtype), self * slopes

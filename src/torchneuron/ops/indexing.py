@@ -249,3 +249,94 @@ def index_reduce(self, dim, index, source, reduce, *, include_self=True):
     safe = jnp.maximum(counts, 1)
     out = total / safe if is_float else jnp.floor_divide(total, safe)
     return jnp.where(counts == 0, self, out).astype(self.dtype)
+
+
+# -- embedding_bag ------------------------------------------------------------------------------
+_SUM, _MEAN, _MAX = 0, 1, 2
+
+
+def _bags(indices, offsets, num_bags):
+    """Bag id of every index position (offsets[:num_bags] are the bag starts)."""
+    pos = jnp.arange(indices.shape[0])
+    return jnp.searchsorted(offsets[:num_bags].astype(jnp.int64), pos, side="right") - 1
+
+
+def _embedding_bag(weight, indices, offsets, mode, per_sample_weights, include_last_offset, padding_idx):
+    num_bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    dim = weight.shape[1]
+    bag = _bags(indices, offsets, num_bags)
+    keep = (indices != padding_idx) if padding_idx >= 0 else jnp.ones(indices.shape, bool)
+    keep = keep & (bag >= 0) & (bag < num_bags)
+    bag = jnp.clip(bag, 0, max(num_bags - 1, 0))
+    rows = jnp.take(weight, indices, axis=0)
+    counts = jnp.zeros((num_bags,), jnp.int64).at[bag].add(keep.astype(jnp.int64))
+    if mode == _MAX:
+        low = -jnp.inf if jnp.issubdtype(weight.dtype, jnp.floating) else jnp.iinfo(weight.dtype).min
+        vals = jnp.where(keep[:, None], rows, low)
+        out = jnp.full((num_bags, dim), low, weight.dtype).at[bag].max(vals)
+        # Index (into weight) of each bag's maximum: the first position reaching it.
+        hit = keep[:, None] & (vals == out[bag])
+        first = jnp.full((num_bags, dim), indices.shape[0], jnp.int64).at[bag].min(
+            jnp.where(hit, jnp.arange(indices.shape[0])[:, None], indices.shape[0]))
+        max_idx = jnp.where(counts[:, None] > 0, indices[jnp.clip(first, 0, max(indices.shape[0] - 1, 0))], 0)
+        out = jnp.where(counts[:, None] > 0, out, 0)
+        return out, bag, counts, max_idx.astype(jnp.int64)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None]
+    acc = jnp.float32 if weight.dtype in (jnp.float16, jnp.bfloat16) else weight.dtype
+    out = jnp.zeros((num_bags, dim), acc).at[bag].add(jnp.where(keep[:, None], rows, 0).astype(acc))
+    if mode == _MEAN:
+        out = out / jnp.maximum(counts, 1)[:, None].astype(acc)
+    return out.astype(weight.dtype), bag, counts, jnp.zeros((num_bags,), jnp.int64)
+
+
+@lowering("_embedding_bag.default", "_embedding_bag_forward_only.default")
+def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                  per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    out, bag, counts, max_idx = _embedding_bag(weight, indices, offsets, mode, per_sample_weights,
+                                               include_last_offset, padding_idx)
+    # ATen's fast sum path (no padding_idx) leaves offset2bag empty and bag_size zero.
+    if mode == _SUM:
+        counts = jnp.zeros_like(counts)
+        if padding_idx < 0:
+            bag = jnp.zeros((0,), jnp.int64)
+    return out, bag, counts, max_idx
+
+
+@lowering("_embedding_bag_backward.default")
+def embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
+                           scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx=-1):
+    num_bags = grad.shape[0]
+    bag = jnp.clip(_bags(indices, offsets, num_bags), 0, max(num_bags - 1, 0))
+    keep = (indices != padding_idx) if padding_idx >= 0 else jnp.ones(indices.shape, bool)
+    acc = jnp.float32 if grad.dtype in (jnp.float16, jnp.bfloat16) else grad.dtype
+    g = grad.astype(acc)
+    dim = grad.shape[1]
+    if mode == _MAX:
+        valid = jnp.sum(jnp.zeros((num_bags,), jnp.int64).at[bag].add(keep.astype(jnp.int64))[:, None] > 0, -1) > 0
+        cols = jnp.broadcast_to(jnp.arange(dim), (num_bags, dim))
+        out = jnp.zeros((num_weights, dim), acc).at[maximum_indices, cols].add(jnp.where(valid[:, None], g, 0))
+        if padding_idx >= 0:
+            out = out.at[padding_idx].set(0)
+        return out.astype(grad.dtype)
+    rows = g[bag]
+    if mode == _MEAN:
+        counts = jnp.zeros((num_bags,), jnp.int64).at[bag].add(keep.astype(jnp.int64))
+        rows = rows / jnp.maximum(counts, 1)[bag][:, None].astype(acc)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None].astype(acc)
+    if scale_grad_by_freq:
+        freq = jnp.zeros((num_weights,), acc).at[indices].add(1)
+        rows = rows / freq[indices][:, None]
+    out = jnp.zeros((num_weights, dim), acc).at[indices].add(jnp.where(keep[:, None], rows, 0))
+    return out.astype(grad.dtype)
+
+
+@lowering("_embedding_bag_per_sample_weights_backward.default")
+def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1):
+    num_bags = grad.shape[0]
+    bag = jnp.clip(_bags(indices, offsets, num_bags), 0, max(num_bags - 1, 0))
+    out = jnp.sum(grad[bag] * jnp.take(weight, indices, axis=0), axis=1)
+    if padding_idx >= 0:
+        out = jnp.where(indices == padding_idx, 0, out)
+    return out

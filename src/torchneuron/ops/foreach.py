@@ -1,0 +1,180 @@
+"""``_foreach_*``: one executable for a whole list of tensors (what optimizers and grad clipping
+call), instead of PyTorch's composite fallback of one op -- one executable launch -- per tensor.
+
+Each list op applies the registered lowering of its single-tensor counterpart to every element,
+so the math (integer rounding, NaN rules...) is the same as ``torch.add`` & co. Scalars and
+``Scalar[]`` lists are runtime inputs (a new learning rate compiles nothing); in-place forms
+(``_foreach_add_``) are derived by the kernel layer like every other op.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from . import registry
+from .registry import lowering
+
+
+def _fn(name):
+    """The single-tensor lowering ``name``, looked up at trace time (modules import in any order)."""
+    def call(*args, **kwargs):
+        return registry.get(name).fn(*args, **kwargs)
+    return call
+
+
+def _promoted(x, y):
+    """x and y in their common dtype (scalars are weakly typed, so a tensor's dtype wins)."""
+    if y is None:
+        return x, y
+    dt = jnp.result_type(x, y)
+    return x.astype(dt), jnp.asarray(y).astype(dt)
+
+
+def _each(xs, others):
+    """Per-tensor second operands: a list (List/ScalarList), or one value for all (Scalar/Tensor)."""
+    if isinstance(others, list | tuple):
+        return list(others)
+    return [others] * len(xs)
+
+
+# -- unary --------------------------------------------------------------------------------------
+_UNARY = ["abs", "acos", "asin", "atan", "ceil", "cos", "cosh", "erf", "erfc", "exp", "expm1", "floor",
+          "frac", "lgamma", "log", "log10", "log1p", "log2", "neg", "reciprocal", "round", "rsqrt", "sigmoid",
+          "sign", "sin", "sinh", "sqrt", "tan", "tanh", "trunc"]
+
+
+def _register_unary(name):
+    fn = _fn(f"{name}.default")
+
+    @lowering(f"_foreach_{name}.default")
+    def unary(self):
+        return [fn(x) for x in self]
+
+
+for _name in _UNARY:
+    _register_unary(_name)
+
+
+@lowering("_foreach_zero.default")
+def foreach_zero(self):
+    return [jnp.zeros_like(x) for x in self]
+
+
+@lowering("_foreach_copy.default")
+def foreach_copy(self, src, non_blocking=False):
+    return [jnp.broadcast_to((jnp.real(s) if jnp.iscomplexobj(s) and not jnp.iscomplexobj(x) else s).astype(x.dtype),
+                             x.shape) for x, s in zip(self, src)]
+
+
+# -- binary -------------------------------------------------------------------------------------
+def _register_binary(name, single, overloads, alpha=False):
+    fn = _fn(single)
+    arg = {"Scalar": "scalar", "List": "other", "ScalarList": "scalars", "Tensor": "other"}
+    for ov in overloads:
+        if alpha and ov in ("List", "Tensor"):
+            @lowering(f"_foreach_{name}.{ov}")
+            def binary_alpha(self, other, *, alpha=1):
+                return [fn(*_promoted(x, y), alpha) for x, y in zip(self, _each(self, other))]
+        else:
+            def binary(self, other):
+                return [fn(*_promoted(x, y)) for x, y in zip(self, _each(self, other))]
+            binary.__name__ = f"foreach_{name}_{arg[ov]}"
+            lowering(f"_foreach_{name}.{ov}")(binary)
+
+
+_register_binary("add", "add.Tensor", ("Scalar", "List", "ScalarList", "Tensor"), alpha=True)
+_register_binary("sub", "sub.Tensor", ("Scalar", "List", "ScalarList"), alpha=True)
+_register_binary("mul", "mul.Tensor", ("Scalar", "List", "ScalarList", "Tensor"))
+_register_binary("div", "div.Tensor", ("Scalar", "List", "ScalarList", "Tensor"))
+_register_binary("clamp_min", "clamp_min.default", ("Scalar", "List", "ScalarList"))
+_register_binary("clamp_max", "clamp_max.default", ("Scalar", "List", "ScalarList"))
+_register_binary("maximum", "maximum.default", ("Scalar", "List", "ScalarList"))
+_register_binary("minimum", "minimum.default", ("Scalar", "List", "ScalarList"))
+_register_binary("pow", "pow.Tensor_Tensor", ("List", "Scalar", "ScalarList"))
+
+
+@lowering("_foreach_pow.ScalarAndTensor")
+def foreach_pow_scalar_and_tensor(self, exponent):
+    pow_ = _fn("pow.Tensor_Tensor")
+    return [pow_(*_promoted(jnp.asarray(self), e)) for e in exponent]
+
+
+# -- ternary ------------------------------------------------------------------------------------
+def _register_pointwise(name, single):
+    fn = _fn(single)
+
+    def apply(self, tensor1, tensor2, values):
+        out = []
+        for x, a, b, v in zip(self, tensor1, tensor2, _each(self, values)):
+            dt = jnp.result_type(x, a, b)
+            out.append(fn(x.astype(dt), a.astype(dt), b.astype(dt), value=jnp.asarray(v).astype(dt)))
+        return out
+
+    @lowering(f"_foreach_{name}.Scalar")
+    def scalar(self, tensor1, tensor2, value=1):
+        return apply(self, tensor1, tensor2, value)
+
+    @lowering(f"_foreach_{name}.ScalarList")
+    def scalar_list(self, tensor1, tensor2, scalars):
+        return apply(self, tensor1, tensor2, scalars)
+
+    @lowering(f"_foreach_{name}.Tensor")
+    def tensor(self, tensor1, tensor2, scalars):
+        return apply(self, tensor1, tensor2, [scalars[i] for i in range(len(self))])
+
+
+_register_pointwise("addcmul", "addcmul.default")
+_register_pointwise("addcdiv", "addcdiv.default")
+
+
+def _lerp(self, end, weights):
+    lerp = _fn("lerp.Tensor")
+    out = []
+    for x, e, w in zip(self, end, weights):
+        dt = jnp.result_type(x, e)
+        out.append(lerp(x.astype(dt), e.astype(dt), jnp.asarray(w).astype(dt)))
+    return out
+
+
+@lowering("_foreach_lerp.List")
+def foreach_lerp_list(self, tensors1, weights):
+    return _lerp(self, tensors1, weights)
+
+
+@lowering("_foreach_lerp.Scalar")
+def foreach_lerp_scalar(self, tensors1, weight):
+    return _lerp(self, tensors1, [weight] * len(self))
+
+
+@lowering("_foreach_lerp.ScalarList")
+def foreach_lerp_scalar_list(self, tensors1, weight):
+    return _lerp(self, tensors1, weight)
+
+
+# -- reductions and matmul ----------------------------------------------------------------------
+@lowering("_foreach_norm.Scalar", static_scalars=True)
+def foreach_norm(self, ord=2, dtype=None):
+    norm = _fn("linalg_vector_norm.default")
+    return [norm(x, ord, None, False, dtype=dtype) for x in self]
+
+
+@lowering("_foreach_powsum.Scalar", static_scalars=True)
+def foreach_powsum(self, ord=2, dtype=None):
+    from ..runtime.dtypes import jax_dtype
+    out = []
+    for x in self:
+        a = jnp.abs(x.astype(jax_dtype(dtype)) if dtype is not None else x)
+        a = a.astype(jnp.float32) if a.dtype in (jnp.float16, jnp.bfloat16) else a
+        out.append(jnp.sum((a != 0).astype(a.dtype)) if ord == 0 else jnp.sum(a ** ord))
+    return out
+
+
+@lowering("_foreach_max.default")
+def foreach_max(self):
+    return [jnp.max(x) for x in self]
+
+
+@lowering("_foreach_mm.default")
+def foreach_mm(self, mat2):
+    mm = _fn("mm.default")
+    return [mm(*_promoted(a, b)) for a, b in zip(self, mat2)]

@@ -1,0 +1,253 @@
+"""Fused recurrent networks: nn.LSTM / nn.GRU / nn.RNN as one executable forward and one backward.
+
+PyTorch's ``aten::lstm`` (``gru``, ``rnn_tanh``, ``rnn_relu``) is a composite: without cuDNN it
+runs one matmul and a handful of pointwise ops per time step and layer, each a separate dispatch
+(and, on this backend, a separate executable launch). Here the whole stack -- every layer, both
+directions, inter-layer dropout -- is one pure JAX function: the input projections of all time
+steps as one matmul per layer and direction, the recurrence as a ``lax.scan``.
+
+* The ATen names (``lstm.input`` ...) are registered as lowerings for graphs.
+* Eager mode: ``install(lib)`` registers an ``AutogradPrivateUse1`` kernel for those ops (they are
+  composite, so a plain backend kernel would never be reached with autograd on). It runs the
+  forward as the custom op ``torchneuron::rnn`` (which also returns the dropout PRNG key) and the
+  backward as ``torchneuron::rnn_backward``: the VJP of the same function, replaying the same
+  dropout masks -- so forward and gradient cannot disagree.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+from jax import lax
+
+from .registry import Lowering, lowering
+
+_HIGHEST = lax.Precision.HIGHEST
+_GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+
+
+def _matmul_t(x, w):
+    """x @ w.T at full float32 precision (as PyTorch's CPU matmul)."""
+    return jnp.matmul(x, w.T, precision=_HIGHEST)
+
+
+def _layer_params(params, has_biases, num_layers, bidirectional, proj):
+    """Split the flat parameter list into [layer][direction] -> (w_ih, w_hh, b_ih, b_hh, w_hr)."""
+    per = 2 + (2 if has_biases else 0) + (1 if proj else 0)
+    dirs = 2 if bidirectional else 1
+    out = []
+    for layer in range(num_layers):
+        row = []
+        for d in range(dirs):
+            p = list(params[(layer * dirs + d) * per:(layer * dirs + d + 1) * per])
+            w_ih, w_hh = p[0], p[1]
+            b_ih, b_hh = (p[2], p[3]) if has_biases else (None, None)
+            w_hr = p[-1] if proj else None
+            row.append((w_ih, w_hh, b_ih, b_hh, w_hr))
+        out.append(row)
+    return out
+
+
+def _cell(mode, gates_x, h, c, w_hh, b_hh, w_hr):
+    """One time step given the precomputed input projection ``gates_x`` (bias b_ih included)."""
+    gh = _matmul_t(h, w_hh)
+    if b_hh is not None:
+        gh = gh + b_hh
+    if mode == "lstm":
+        i, f, g, o = jnp.split(gates_x + gh, 4, axis=-1)
+        c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+        h = jax.nn.sigmoid(o) * jnp.tanh(c)
+        if w_hr is not None:
+            h = _matmul_t(h, w_hr)
+        return h, c
+    if mode == "gru":
+        xr, xz, xn = jnp.split(gates_x, 3, axis=-1)
+        hr, hz, hn = jnp.split(gh, 3, axis=-1)
+        r = jax.nn.sigmoid(xr + hr)
+        z = jax.nn.sigmoid(xz + hz)
+        n = jnp.tanh(xn + r * hn)
+        return (1 - z) * n + z * h, c
+    pre = gates_x + gh
+    return (jnp.tanh(pre) if mode == "rnn_tanh" else jnp.maximum(pre, 0)), c
+
+
+def _direction(mode, x, h0, c0, weights, reverse):
+    """Run one direction of one layer over time-major x (T, B, F)."""
+    w_ih, w_hh, b_ih, b_hh, w_hr = weights
+    gates_x = _matmul_t(x, w_ih)
+    if b_ih is not None:
+        gates_x = gates_x + b_ih
+
+    def step(carry, gx):
+        h, c = carry
+        h, c = _cell(mode, gx, h, c, w_hh, b_hh, w_hr)
+        return (h, c), h
+
+    (h, c), ys = lax.scan(step, (h0, c0), gates_x, reverse=reverse)
+    return ys, h, c
+
+
+def rnn_stack(mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first,
+              key=None):
+    """(output, h_n, c_n) of a whole multi-layer (bi)directional RNN; c_n is None except for LSTM."""
+    dtype = input.dtype
+    compute = jnp.float32 if dtype in (jnp.float16, jnp.bfloat16) else dtype
+    unbatched = input.ndim == 2
+    x = input[:, None] if unbatched else (jnp.swapaxes(input, 0, 1) if batch_first else input)
+    x = x.astype(compute)
+    h0 = hx[0].astype(compute)
+    c0 = hx[1].astype(compute) if mode == "lstm" else None
+    if unbatched:
+        h0 = h0[:, None]
+        c0 = c0[:, None] if c0 is not None else None
+    proj = mode == "lstm" and len(params) % (4 if has_biases else 2) != 0
+    layers = _layer_params([p.astype(compute) for p in params], has_biases, num_layers, bidirectional, proj)
+    dirs = 2 if bidirectional else 1
+    hs, cs = [], []
+    for li, row in enumerate(layers):
+        outs = []
+        for d, weights in enumerate(row):
+            k = li * dirs + d
+            c_init = c0[k] if c0 is not None else jnp.zeros((), compute)
+            ys, h, c = _direction(mode, x, h0[k], c_init, weights, reverse=(d == 1))
+            outs.append(ys)
+            hs.append(h)
+            cs.append(c)
+        x = jnp.concatenate(outs, axis=-1) if dirs == 2 else outs[0]
+        if dropout > 0 and train and li < num_layers - 1:
+            keep = jax.random.bernoulli(jax.random.fold_in(key, li), 1.0 - dropout, x.shape)
+            x = jnp.where(keep, x / (1.0 - dropout), 0).astype(compute)
+    out = x[:, 0] if unbatched else (jnp.swapaxes(x, 0, 1) if batch_first else x)
+    h_n = jnp.stack(hs)
+    c_n = jnp.stack(cs) if mode == "lstm" else None
+    if unbatched:
+        h_n = h_n[:, 0]
+        c_n = c_n[:, 0] if c_n is not None else None
+    cast = (lambda a: a.astype(dtype)) if compute != dtype else (lambda a: a)
+    return cast(out), cast(h_n), (cast(c_n) if c_n is not None else None)
+
+
+# -- ATen forms (used by torch.compile graphs; eager goes through install()) ---------------------
+@lowering("lstm.input", random=True)
+def lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first, *, key):
+    return rnn_stack("lstm", input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+                     batch_first, key)
+
+
+def _single_hidden(mode):
+    def fn(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first, *, key):
+        out, h, _ = rnn_stack(mode, input, [hx], params, has_biases, num_layers, dropout, train,
+                              bidirectional, batch_first, key)
+        return out, h
+    fn.__name__ = mode
+    return fn
+
+
+for _mode in ("gru", "rnn_tanh", "rnn_relu"):
+    lowering(f"{_mode}.input", random=True)(_single_hidden(_mode))
+
+
+# -- eager: fused forward/backward custom ops + the autograd kernel -------------------------------
+_DEF = torch.library.Library("torchneuron", "DEF")
+_ARGS = ("str mode, Tensor input, Tensor[] hx, Tensor[] params, bool has_biases, int num_layers, "
+         "float dropout, bool train, bool bidirectional, bool batch_first")
+_DEF.define(f"rnn({_ARGS}) -> Tensor[]")
+_DEF.define(f"rnn_backward(Tensor[] grads, Tensor key_data, {_ARGS}) -> Tensor[]")
+
+
+def _key_from(key_data):
+    return jax.random.wrap_key_data(key_data.astype(jnp.uint32))
+
+
+def rnn_fused(mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first, *,
+              key):
+    """[output, h_n, (c_n,) key_data]: the key replays the same dropout masks in the backward."""
+    out, h, c = rnn_stack(mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+                          batch_first, key)
+    outs = [out, h] + ([c] if c is not None else [])
+    return outs + [jax.random.key_data(key)]
+
+
+def rnn_fused_backward(grads, key_data, mode, input, hx, params, has_biases, num_layers, dropout, train,
+                       bidirectional, batch_first):
+    """Gradients w.r.t. [input, *hx, *params] (the VJP of rnn_stack with the forward's key)."""
+    key = _key_from(key_data)
+
+    def f(x, h, p):
+        out, hn, cn = rnn_stack(mode, x, h, p, has_biases, num_layers, dropout, train, bidirectional,
+                                batch_first, key)
+        return (out, hn, cn) if cn is not None else (out, hn)
+
+    primal, vjp = jax.vjp(f, input, list(hx), list(params))
+    cots = tuple(g.astype(p.dtype) for g, p in zip(grads, primal))
+    gx, gh, gp = vjp(cots)
+    return [gx, *gh, *gp]
+
+
+_FORWARD = Lowering("rnn", rnn_fused, random=True, derive_variants=False, shape_from_lowering=True)
+_BACKWARD = Lowering("rnn_backward", rnn_fused_backward, derive_variants=False, shape_from_lowering=True)
+_kernels: dict = {}
+
+
+def _kernel(which):
+    k = _kernels.get(which)
+    if k is None:
+        from ..eager.kernel import Kernel
+        k = _kernels[which] = (Kernel(torch.ops.torchneuron.rnn.default, _FORWARD) if which == "forward"
+                               else Kernel(torch.ops.torchneuron.rnn_backward.default, _BACKWARD))
+    return k
+
+
+class _FusedRNN(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, config, input, n_hx, *tensors):
+        mode, has_biases, num_layers, dropout, train, bidirectional, batch_first = config
+        hx, params = list(tensors[:n_hx]), list(tensors[n_hx:])
+        outs = _kernel("forward")(mode, input, hx, params, has_biases, num_layers, dropout, train,
+                                  bidirectional, batch_first)
+        *results, key_data = outs
+        ctx.config, ctx.n_hx = config, n_hx
+        ctx.save_for_backward(input, key_data, *tensors)
+        return tuple(results)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        input, key_data, *tensors = ctx.saved_tensors
+        n_hx = ctx.n_hx
+        hx, params = tensors[:n_hx], tensors[n_hx:]
+        mode, has_biases, num_layers, dropout, train, bidirectional, batch_first = ctx.config
+        full = [g if g is not None else torch.zeros_like(ref) for g, ref in
+                zip(grads, _reference_outputs(ctx, input, hx))]
+        out = _kernel("backward")(full, key_data, mode, input, list(hx), list(params), has_biases, num_layers,
+                                  dropout, train, bidirectional, batch_first)
+        return (None, out[0], None, *out[1:])
+
+
+def _reference_outputs(ctx, input, hx):
+    """Empty tensors shaped like each forward output (for gradients autograd passes as None)."""
+    mode, has_biases, num_layers, dropout, train, bidirectional, batch_first = ctx.config
+    h0 = hx[0]
+    dirs = 2 if bidirectional else 1
+    hidden = h0.shape[-1]
+    out_shape = tuple(input.shape[:-1]) + (hidden * dirs,)
+    refs = [input.new_empty(out_shape), torch.empty_like(h0)]
+    if mode == "lstm":
+        refs.append(torch.empty_like(hx[1]))
+    return refs
+
+
+def _autograd_kernel(mode):
+    def kernel(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+        hx_list = list(hx) if mode == "lstm" else [hx]
+        config = (mode, has_biases, num_layers, float(dropout), train, bidirectional, batch_first)
+        outs = _FusedRNN.apply(config, input, len(hx_list), *hx_list, *params)
+        return tuple(outs)
+    return kernel
+
+
+def install(lib) -> None:
+    """Route aten::lstm/gru/rnn_tanh/rnn_relu on neuron tensors to the fused kernels (eager)."""
+    for mode in _GATES:
+        lib.impl(f"{mode}.input", _autograd_kernel(mode), "AutogradPrivateUse1")
+        lib.impl(f"{mode}.input", _autograd_kernel(mode), "PrivateUse1")
