@@ -41,6 +41,15 @@ def test_bool_and_complex():
     assert_same(z.to("neuron") * z.to("neuron"), z * z)
 
 
+@pytest.mark.parametrize("op", [torch.abs, torch.angle, torch.sgn, torch.linalg.vector_norm,
+                                lambda t: torch.linalg.eig(t.real.reshape(2, 2))[1].abs()])
+def test_complex_to_real_ops_use_both_parts(op):
+    """abs/angle of a complex tensor return real tensors computed from real *and* imaginary parts."""
+    torch.manual_seed(0)
+    z = torch.complex(torch.randn(4), torch.randn(4))
+    assert_same(op(z.to("neuron")), op(z), rtol=1e-5, atol=1e-5)
+
+
 def test_float64_downcast_warns_once_per_op_and_counts():
     torchneuron.metrics.reset()
     with warnings.catch_warnings(record=True) as caught:

@@ -23,8 +23,8 @@ def register() -> None:
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     from .eager import registration
-    from .runtime import device as device_module
     from .runtime import autocast, modules, printing, serialization
+    from .runtime import device as device_module
 
     class _Hooks(torch._C._acc.PrivateUse1Hooks):
         def is_available(self) -> bool:

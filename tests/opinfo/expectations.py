@@ -24,6 +24,12 @@ class Expect:
 
 
 EXPECTATIONS: list[Expect] = [
+    *[Expect(op, "sparse layouts (COO/CSR) are not supported on neuron: tensors there are strided only; "
+             "the op raises PyTorch's missing-kernel error for the Sparseneuron/SparseCsrneuron key. "
+             "Keep sparse work on CPU or convert with .to_dense() first")
+      for op in ("to_sparse", "sparse.sampled_addmm", "sparse.mm.reduce")],
+    Expect("chalf", "complex32 (chalf) is not a neuron dtype: the conversion raises a TypeError naming "
+           "the supported dtypes (use complex64)", match="complex32"),
     Expect("mode", "the index of a repeated mode value is implementation-defined: CPU's unstable sort of "
            "large inputs returns an arbitrary occurrence, neuron returns the last one (the values match)",
            checks=("forward",), match="out[1]"),
@@ -34,6 +40,15 @@ TOLERANCES: dict[tuple[str, str], dict] = {
     # The grid gradient sums over all channels of 20x21x22x23x24 inputs; a few of ~10^5 elements
     # differ by ~5e-4 from CPU's accumulation order.
     ("grid_sampler_3d", "grad"): {torch.float32: (1e-3, 1e-3)},
+    # The sample holds 1e4 next to O(1) values; the backward's exp(x - out) terms cancel. CPU float32 is
+    # itself 2.2e-3 from the float64 gradient, neuron 2.9e-3.
+    ("logcumsumexp", "grad"): {torch.float32: (1e-2, 1e-2)},
+    # Gradient entries reach 2.5e4 (the backward is matrix_exp of a 2n x 2n block matrix); CPU float32
+    # is 6e-3 from float64 there, neuron 1.3e-2 -- both ~5e-7 relative to the largest entry.
+    ("matrix_exp", "grad"): {torch.float32: (2e-2, 1e-3)},
+    # CPU interpolates bfloat16 in bfloat16 (3.6e-2 from float64); neuron computes in float32 and
+    # rounds once (3.5e-3 from float64), so the two differ by CPU's error.
+    ("nn.functional.grid_sample", "forward"): {torch.bfloat16: (5e-2, 1e-1)},
 }
 
 

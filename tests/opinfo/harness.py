@@ -11,7 +11,7 @@ run there, copied to neuron and run again; the two results are compared. A sampl
 * ``cpu_error``-- the sample is not valid on CPU either (not counted).
 
 Random ops cannot match CPU values: they are checked by shape, dtype, range and reproducibility
-under ``torch.manual_seed`` (see ``RANDOM``). Ops that return uninitialised memory (``empty*``) are
+under ``torch.manual_seed`` (see ``RANDOM`` and ``RANDOM_WHEN``). Ops that return uninitialised memory (``empty*``) are
 checked by shape and dtype only.
 
 ``tests/opinfo/test_opinfo.py`` and ``python -m torchneuron.tools.coverage`` both drive this module.
@@ -153,7 +153,8 @@ def _randint_like(out, sample):
 
 
 def _randint(out, sample):
-    args = sample.args
+    # randint(high, size) or randint(low, high, size); the first positional is sample.input.
+    args = [sample.input, *sample.args]
     if len(args) >= 3 or (len(args) == 2 and not isinstance(args[1], tuple | list | torch.Size)):
         low, high = args[0], args[1]
     else:
@@ -231,6 +232,18 @@ RANDOM: dict[str, Callable] = {
     "svd_lowrank": _shape_only,
     "pca_lowrank": _shape_only,
 }
+# Entries that are random for some samples only (dropout inside): name -> predicate over the sample.
+RANDOM_WHEN: dict[str, Callable] = {
+    # multi_head_attention_forward(query, key, value, ..., dropout_p=args[9], ..., training=...)
+    "nn.functional.multi_head_attention_forward":
+        lambda s: s.kwargs.get("training", True) and len(s.args) > 9 and s.args[9] > 0,
+}
+
+
+def is_random(name: str, sample) -> bool:
+    return name in RANDOM or (name in RANDOM_WHEN and bool(RANDOM_WHEN[name](sample)))
+
+
 # Uninitialised memory: only shape and dtype mean anything.
 UNINITIALISED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted"}
 
@@ -263,6 +276,8 @@ def _move(sample, leaves=None, name=""):
             return [mv(e) for e in x]
         if isinstance(x, tuple):
             return tuple(mv(e) for e in x)
+        if isinstance(x, str) and x == "cpu":   # a device given as a string (Tensor.to("cpu", ...))
+            return DEVICE
         if isinstance(x, dict):
             return {k: (DEVICE if k == "device" and x[k] in ("cpu", torch.device("cpu")) else mv(e))
                     for k, e in x.items()}
@@ -384,6 +399,8 @@ class _FallbackWatch:
 
 
 _last_decomposed: list = []
+# (entry, dtype, check) -> how many samples OpInfo generates, whether or not ``limit`` ran them all.
+sample_counts: dict[tuple[str, str, str], int] = {}
 
 
 @contextlib.contextmanager
@@ -421,19 +438,19 @@ def run_forward(op, sample, dtype) -> tuple[str, str, tuple]:
             try:
                 actual = _seeded(lambda: op(inp, *args, **kwargs), 0)
                 actual = sample.output_process_fn_grad(actual)
-                if name in RANDOM:
+                if is_random(name, sample):
                     again = _seeded(lambda: sample.output_process_fn_grad(op(inp, *args, **kwargs)), 0)
             except Exception as err:
                 return "fail", _error(err), watch_ops(watch)
     if name in UNINITIALISED:
         msg = _check_meta(actual, expected)
-    elif name in RANDOM:
+    elif is_random(name, sample):
         msg = _check_meta(actual, expected)
         if msg is None:
             msg = compare(again, actual, (0.0, 0.0), "reproducibility")
         if msg is None:
             with _quiet():
-                msg = RANDOM[name](tree_map(_to_cpu, actual), sample)
+                msg = RANDOM.get(name, _finite)(tree_map(_to_cpu, actual), sample)
     else:
         msg = compare(actual, expected, expectations.tolerance(name, dtype, "forward"))
     return ("fail", msg, watch.ops) if msg else ("native" if not watch.ops else "fallback", "", watch.ops)
@@ -505,14 +522,14 @@ def run_grad(op, sample, dtype) -> tuple[str, str, tuple]:
                     return "fail", f"{len(outs_d)} differentiable outputs, expected {len(outs)}", watch_ops(watch)
                 actual = torch.autograd.grad(outs_d, dev_leaves, [c.to(DEVICE) for c in cots],
                                              allow_unused=True)
-                if name in RANDOM:
+                if is_random(name, sample):
                     out_again = _seeded(lambda: sample.output_process_fn_grad(
                         op.gradcheck_wrapper(variant, inp, *args, **kwargs)), 0)
                     again = torch.autograd.grad(_differentiable(out_again), dev_leaves,
                                                 [c.to(DEVICE) for c in cots], allow_unused=True)
             except Exception as err:
                 return "fail", _error(err), watch_ops(watch)
-    if name in RANDOM:
+    if is_random(name, sample):
         msg = _check_meta(list(actual), [e if e is not None else None for e in expected])
         if msg is None:
             msg = compare(list(again), list(actual), (0.0, 0.0), "reproducibility")
@@ -547,6 +564,7 @@ def run(op, dtype, check, limit=None, start=0) -> Iterator[SampleResult]:
     except Exception as err:
         yield SampleResult(name, dname, check, -1, "cpu_error", "", f"sample generation: {_error(err)}")
         return
+    sample_counts[(name, dname, check)] = len(samples)
     stop = len(samples) if limit is None else min(len(samples), start + limit)
     runner = run_forward if check == "forward" else run_grad
     for i in range(start, stop):

@@ -23,8 +23,9 @@ def _upload_int64(positions: np.ndarray, device_index: int) -> torch.Tensor:
 
 def nonzero(self: torch.Tensor) -> torch.Tensor:
     host = transfers.to_host(self)
+    # A 0-d tensor has one (empty) position when it is nonzero: shape (1, 0) or (0, 0).
     positions = np.stack(np.nonzero(host), axis=1) if host.ndim else np.zeros((int(host != 0), 0), np.int64)
-    return _upload_int64(positions.reshape(-1, max(host.ndim, 0)), self.device.index or 0)
+    return _upload_int64(positions.reshape(positions.shape[0], host.ndim), self.device.index or 0)
 
 
 def _expand_bool_indices(self, indices):

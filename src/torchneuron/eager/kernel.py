@@ -542,6 +542,10 @@ def _materialise(spec, bufs, rt):
 def _cast(value, dtype):
     target = jax_dtype(dtype) if isinstance(dtype, torch.dtype) else dtype
     if isinstance(value, jax.Array) or hasattr(value, "dtype"):
+        if jnp.iscomplexobj(value) and not jnp.issubdtype(target, jnp.complexfloating):
+            # A real result of a complex input (abs, angle) is computed from the complex value:
+            # casting the input to the real result type would drop its imaginary part.
+            target = jnp.result_type(target, jnp.complex64)
         return value if value.dtype == target else value.astype(target)
     return jnp.asarray(value, dtype=target)
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy import special as jsp
 
+from .numerics import compute_dtype
 from .registry import lowering
 
 
@@ -155,12 +156,15 @@ def lerp(self, end, weight):
 
 @lowering("addcmul.default", promote="result", promote_args=("self", "tensor1", "tensor2"))
 def addcmul(self, tensor1, tensor2, *, value=1):
-    return self + value * tensor1 * tensor2
+    # One rounding for half precision, like ATen's opmath kernel (not one per multiply/add).
+    dt = compute_dtype(self.dtype)
+    return (self.astype(dt) + value * tensor1.astype(dt) * tensor2.astype(dt)).astype(self.dtype)
 
 
 @lowering("addcdiv.default", promote="result", promote_args=("self", "tensor1", "tensor2"))
 def addcdiv(self, tensor1, tensor2, *, value=1):
-    return self + value * (tensor1 / tensor2)
+    dt = compute_dtype(self.dtype)
+    return (self.astype(dt) + value * (tensor1.astype(dt) / tensor2.astype(dt))).astype(self.dtype)
 
 
 # -- comparisons and logic ----------------------------------------------------------------------
@@ -536,7 +540,7 @@ def rrelu_with_noise(self, noise, lower=0.125, upper=1.0 / 3.0, training=False, 
     if not training:
         slope = (lower + upper) / 2
         return noise, jnp.where(self >= 0, self, self * slope)
-    compute = jnp.float32 if self.dtype in (jnp.float16, jnp.bfloat16) else self.dtype
+    compute = compute_dtype(self.dtype)
     r = jax.random.uniform(key, self.shape, compute, lower, upper).astype(self.dtype)
     slopes = jnp.where(self >= 0, jnp.ones_like(self), r)
     return slopes.astype(noise.dtype), self * slopes

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .numerics import compute_dtype
 from .registry import lowering
 
 
@@ -89,14 +90,14 @@ def _float_dtype(dtype):
 @lowering("uniform_.default", random=True, overwrites=True)
 def uniform_(self, from_=0.0, to=1.0, *, generator=None, key):
     dt = _float_dtype(self.dtype)
-    compute = jnp.float32 if dt in (jnp.float16, jnp.bfloat16) else dt
+    compute = compute_dtype(dt)
     return jax.random.uniform(key, self.shape, compute, from_, to).astype(self.dtype)
 
 
 @lowering("normal_.default", random=True, overwrites=True)
 def normal_(self, mean=0.0, std=1.0, *, generator=None, key):
     dt = _float_dtype(self.dtype)
-    compute = jnp.float32 if dt in (jnp.float16, jnp.bfloat16) else dt
+    compute = compute_dtype(dt)
     return (jax.random.normal(key, self.shape, compute) * std + mean).astype(self.dtype)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from .numerics import compute_dtype, highest, lowest
 from .registry import lowering
 
 
@@ -100,9 +101,9 @@ def scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
     elif reduce == "prod":
         identity = 1
     elif reduce == "amax":
-        identity = -jnp.inf if is_float else jnp.iinfo(self.dtype).min
+        identity = lowest(self.dtype)
     else:
-        identity = jnp.inf if is_float else jnp.iinfo(self.dtype).max
+        identity = highest(self.dtype)
     base = self if include_self else self.at[idx].set(jnp.asarray(identity, self.dtype))
     at = base.at[idx]
     if reduce in ("sum", "mean"):
@@ -186,7 +187,7 @@ def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, sca
     if scale_grad_by_freq:
         counts = jnp.zeros((num_weights,), grads.dtype).at[flat].add(1)
         grads = grads / counts[flat][:, None]
-    acc = jnp.float32 if grads.dtype in (jnp.float16, jnp.bfloat16) else grads.dtype
+    acc = compute_dtype(grads.dtype)
     return jnp.zeros((num_weights, dim), acc).at[flat].add(grads.astype(acc)).astype(grad_output.dtype)
 
 
@@ -230,8 +231,8 @@ def index_reduce(self, dim, index, source, reduce, *, include_self=True):
     idx = _dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))
     is_float = jnp.issubdtype(self.dtype, jnp.floating)
     identity = {"prod": 1, "mean": 0,
-                "amax": -jnp.inf if is_float else jnp.iinfo(self.dtype).min,
-                "amin": jnp.inf if is_float else jnp.iinfo(self.dtype).max}[reduce]
+                "amax": lowest(self.dtype),
+                "amin": highest(self.dtype)}[reduce]
     base = self if include_self else self.at[idx].set(jnp.asarray(identity, self.dtype))
     at = base.at[idx]
     if reduce == "prod":
@@ -271,7 +272,7 @@ def _embedding_bag(weight, indices, offsets, mode, per_sample_weights, include_l
     rows = jnp.take(weight, indices, axis=0)
     counts = jnp.zeros((num_bags,), jnp.int64).at[bag].add(keep.astype(jnp.int64))
     if mode == _MAX:
-        low = -jnp.inf if jnp.issubdtype(weight.dtype, jnp.floating) else jnp.iinfo(weight.dtype).min
+        low = lowest(weight.dtype)
         vals = jnp.where(keep[:, None], rows, low)
         out = jnp.full((num_bags, dim), low, weight.dtype).at[bag].max(vals)
         # Index (into weight) of each bag's maximum: the first position reaching it.
@@ -283,7 +284,7 @@ def _embedding_bag(weight, indices, offsets, mode, per_sample_weights, include_l
         return out, bag, counts, max_idx.astype(jnp.int64)
     if per_sample_weights is not None:
         rows = rows * per_sample_weights[:, None]
-    acc = jnp.float32 if weight.dtype in (jnp.float16, jnp.bfloat16) else weight.dtype
+    acc = compute_dtype(weight.dtype)
     out = jnp.zeros((num_bags, dim), acc).at[bag].add(jnp.where(keep[:, None], rows, 0).astype(acc))
     if mode == _MEAN:
         out = out / jnp.maximum(counts, 1)[:, None].astype(acc)
@@ -295,11 +296,12 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sp
                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
     out, bag, counts, max_idx = _embedding_bag(weight, indices, offsets, mode, per_sample_weights,
                                                include_last_offset, padding_idx)
-    # ATen's fast sum path (no padding_idx) leaves offset2bag empty and bag_size zero.
-    if mode == _SUM:
-        counts = jnp.zeros_like(counts)
-        if padding_idx < 0:
-            bag = jnp.zeros((0,), jnp.int64)
+    # Output shapes of the side outputs follow ATen's device (non-CPU) meta rules: bag_size has one
+    # entry per offset, max_indices is empty except in max mode. The backward recomputes the bags.
+    if counts.shape[0] < offsets.shape[0]:
+        counts = jnp.concatenate([counts, jnp.zeros((offsets.shape[0] - counts.shape[0],), counts.dtype)])
+    if mode != _MAX:
+        max_idx = jnp.zeros((0,), jnp.int64)
     return out, bag, counts, max_idx
 
 
@@ -309,7 +311,7 @@ def embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum
     num_bags = grad.shape[0]
     bag = jnp.clip(_bags(indices, offsets, num_bags), 0, max(num_bags - 1, 0))
     keep = (indices != padding_idx) if padding_idx >= 0 else jnp.ones(indices.shape, bool)
-    acc = jnp.float32 if grad.dtype in (jnp.float16, jnp.bfloat16) else grad.dtype
+    acc = compute_dtype(grad.dtype)
     g = grad.astype(acc)
     dim = grad.shape[1]
     if mode == _MAX:
@@ -340,3 +342,14 @@ def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, of
     if padding_idx >= 0:
         out = jnp.where(indices == padding_idx, 0, out)
     return out
+
+
+@lowering("embedding_renorm_.default")
+def embedding_renorm_(self, indices, max_norm, norm_type):
+    # Rows referenced by ``indices`` whose norm exceeds max_norm are scaled to max_norm (once each).
+    acc = compute_dtype(self.dtype)
+    w = self.astype(acc)
+    norms = jnp.sum(jnp.abs(w) ** norm_type, axis=1) ** (1.0 / norm_type)
+    used = jnp.zeros((self.shape[0],), bool).at[indices.reshape(-1)].set(True)
+    scale = jnp.where(used & (norms > max_norm), max_norm / (norms + 1e-7), 1.0)
+    return (w * scale[:, None]).astype(self.dtype)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .numerics import compute_dtype, lowest
 from .registry import lowering
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -18,7 +19,7 @@ _HIGHEST = lax.Precision.HIGHEST
 
 def _acc(x):
     """Compute dtype for normalisations and softmax: half types in float32 (as PyTorch's CPU does)."""
-    return jnp.float32 if x.dtype in (jnp.float16, jnp.bfloat16) else x.dtype
+    return compute_dtype(x.dtype)
 
 
 # -- convolution --------------------------------------------------------------------------------
@@ -123,7 +124,7 @@ def _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, nd):
     out_sizes, flat, valid = _flat_windows(in_sizes, kernel, stride, padding, dilation, ceil_mode)
     xf = x.reshape(lead + (-1,))
     vals = xf[..., flat]                                   # (N, C, *out, K)
-    low = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
+    low = lowest(x.dtype)
     vals = jnp.where(valid, vals, low)
     if jnp.issubdtype(x.dtype, jnp.floating):
         # NaN wins, as in PyTorch.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from .numerics import compute_dtype, lowest
 from .registry import lowering
 
 
@@ -36,11 +37,12 @@ def _window_max(x, starts, sizes, nd):
         pos = pos * in_sizes[d] + p
     pos = jnp.broadcast_to(pos, jnp.broadcast_shapes(jnp.shape(pos), jnp.shape(valid)))
     out_shape = pos.shape[:2 + nd]
-    pos = jnp.broadcast_to(pos, lead + pos.shape[2:]).reshape(lead + out_shape[2:] + (-1,))
-    valid = jnp.broadcast_to(valid, lead + jnp.shape(valid)[2:]).reshape(lead + out_shape[2:] + (-1,))
-    vals = jnp.take_along_axis(flat, pos.reshape(lead + (-1,)), axis=2).reshape(pos.shape)
+    window = int(np.prod(pos.shape[2 + nd:]))
+    pos = jnp.broadcast_to(pos, lead + pos.shape[2:]).reshape(lead + out_shape[2:] + (window,))
+    valid = jnp.broadcast_to(valid, lead + jnp.shape(valid)[2:]).reshape(lead + out_shape[2:] + (window,))
+    vals = jnp.take_along_axis(flat, pos.reshape(lead + (int(np.prod(pos.shape[2:])),)), axis=2).reshape(pos.shape)
     floating = jnp.issubdtype(x.dtype, jnp.floating)
-    low = -jnp.inf if floating else jnp.iinfo(x.dtype).min
+    low = lowest(x.dtype)
     vals = jnp.where(valid, vals, low)
     key = jnp.where(jnp.isnan(vals), jnp.inf, vals) if floating else vals
     pick = jnp.argmax(key, axis=-1)
@@ -116,7 +118,7 @@ def _fractional_max(self, kernel_size, output_size, random_samples, nd):
     batched = self.ndim == nd + 2
     x = self if batched else self[None]
     samples = random_samples if batched else random_samples[None]
-    samples = samples.astype(jnp.float32 if x.dtype in (jnp.float16, jnp.bfloat16) else x.dtype)
+    samples = samples.astype(compute_dtype(x.dtype))
     starts, sizes = [], []
     for d in range(nd):
         # samples[..., 0] drives the last (width) dim, [..., 1] the one before, ...

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .numerics import compute_dtype
 from .registry import lowering
 
 
@@ -155,7 +156,7 @@ def argmin(self, dim=None, keepdim=False):
 
 def _var(x, dim, correction, keepdim):
     axis = dims(dim, x.ndim)
-    acc = jnp.float32 if x.dtype in (jnp.float16, jnp.bfloat16) else x.dtype
+    acc = compute_dtype(x.dtype)
     x = x.astype(acc)
     n = 1
     for a in axis:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from .numerics import compute_dtype
 from .registry import Lowering, lowering
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -92,7 +93,7 @@ def rnn_stack(mode, input, hx, params, has_biases, num_layers, dropout, train, b
               key=None):
     """(output, h_n, c_n) of a whole multi-layer (bi)directional RNN; c_n is None except for LSTM."""
     dtype = input.dtype
-    compute = jnp.float32 if dtype in (jnp.float16, jnp.bfloat16) else dtype
+    compute = compute_dtype(dtype)
     unbatched = input.ndim == 2
     x = input[:, None] if unbatched else (jnp.swapaxes(input, 0, 1) if batch_first else input)
     x = x.astype(compute)

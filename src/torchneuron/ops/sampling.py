@@ -16,13 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .numerics import compute_dtype
 from .registry import lowering
 
 _HIGHEST = lax.Precision.HIGHEST
 
 
 def _acc(x):
-    return jnp.float32 if x.dtype in (jnp.float16, jnp.bfloat16) else x.dtype
+    return compute_dtype(x.dtype)
 
 
 # -- source-index rules (UpSample.h) ------------------------------------------------------------

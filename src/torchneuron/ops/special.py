@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy import special as jsp
 
+from .numerics import compute_dtype
 from .registry import lowering
 
 
@@ -213,7 +214,9 @@ def _hurwitz_zeta(x, q):
 @lowering("special_zeta.default", "special_zeta.other_scalar", "special_zeta.self_scalar", promote="result",
           promote_args=("self", "other"))
 def zeta(self, other):
-    return _hurwitz_zeta(self, other)
+    result = jnp.result_type(self, other)
+    compute = compute_dtype(result)
+    return _hurwitz_zeta(jnp.asarray(self, compute), jnp.asarray(other, compute)).astype(result)
 
 
 def _trigamma(x):
@@ -234,14 +237,18 @@ def _trigamma(x):
 
 @lowering("polygamma.default", promote="result", promote_args=("self",))
 def polygamma(n, self):
+    # Half-precision inputs compute in float32 (ATen's opmath): near the poles the terms cancel.
+    x = self.astype(compute_dtype(self.dtype))
     if n == 0:
-        return jsp.digamma(self)
-    if n == 1:
-        return _trigamma(self)
-    # (-1)^(n+1) n! zeta(n+1, x), as ATen computes it.
-    sign = 1.0 if n % 2 else -1.0
-    return sign * jnp.exp(lax.lgamma(jnp.asarray(n + 1.0, self.dtype))) * _hurwitz_zeta(
-        jnp.full_like(self, n + 1.0), self)
+        out = jsp.digamma(x)
+    elif n == 1:
+        out = _trigamma(x)
+    else:
+        # (-1)^(n+1) n! zeta(n+1, x), as ATen computes it.
+        sign = 1.0 if n % 2 else -1.0
+        out = sign * jnp.exp(lax.lgamma(jnp.asarray(n + 1.0, x.dtype))) * _hurwitz_zeta(
+            jnp.full_like(x, n + 1.0), x)
+    return out.astype(self.dtype)
 
 
 @lowering("special_entr.default", promote="result", promote_args=("self",))
