@@ -30,6 +30,10 @@ EXPECTATIONS: list[Expect] = [
       for op in ("to_sparse", "sparse.sampled_addmm", "sparse.mm.reduce")],
     Expect("chalf", "complex32 (chalf) is not a neuron dtype: the conversion raises a TypeError naming "
            "the supported dtypes (use complex64)", match="complex32"),
+    *[Expect(op, "eval-mode save_mean/save_invstd: PyTorch's meta kernel (which fixes neuron's output "
+             "shapes, as for every device) declares them (C,), CPU's kernel returns them empty; the "
+             "normalised output matches", checks=("forward",), match="out[1]: shape")
+      for op in ("native_batch_norm", "_native_batch_norm_legit")],
     Expect("mode", "the index of a repeated mode value is implementation-defined: CPU's unstable sort of "
            "large inputs returns an arbitrary occurrence, neuron returns the last one (the values match)",
            checks=("forward",), match="out[1]"),
@@ -46,6 +50,9 @@ TOLERANCES: dict[tuple[str, str], dict] = {
     # Gradient entries reach 2.5e4 (the backward is matrix_exp of a 2n x 2n block matrix); CPU float32
     # is 6e-3 from float64 there, neuron 1.3e-2 -- both ~5e-7 relative to the largest entry.
     ("matrix_exp", "grad"): {torch.float32: (2e-2, 1e-3)},
+    # Batched 5x5 samples with entries up to 9e4: CPU float32 is 5.0e-2 from float64, neuron 5.5e-2;
+    # the small entries of the same matrices then differ by ~5e-4.
+    ("matrix_exp", "forward"): {torch.float32: (1e-3, 1e-3)},
     # CPU interpolates bfloat16 in bfloat16 (3.6e-2 from float64); neuron computes in float32 and
     # rounds once (3.5e-3 from float64), so the two differ by CPU's error.
     ("nn.functional.grid_sample", "forward"): {torch.bfloat16: (5e-2, 1e-1)},

@@ -215,7 +215,7 @@ RANDOM: dict[str, Callable] = {
     "normal.in_place": _finite,
     "normal.number_mean": _finite,
     "uniform": _uniform,
-    "rand_like": _in_range(0, 1),
+    "rand_like": _finite,        # PyTorch's OpInfo entry named rand_like calls torch.randn_like
     "randn_like": _finite,
     "randn": _finite,
     "randint": _randint,
@@ -237,6 +237,7 @@ RANDOM_WHEN: dict[str, Callable] = {
     # multi_head_attention_forward(query, key, value, ..., dropout_p=args[9], ..., training=...)
     "nn.functional.multi_head_attention_forward":
         lambda s: s.kwargs.get("training", True) and len(s.args) > 9 and s.args[9] > 0,
+    "nn.functional.scaled_dot_product_attention": lambda s: s.kwargs.get("dropout_p", 0.0) > 0,
 }
 
 
@@ -249,11 +250,25 @@ UNINITIALISED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty
 
 
 # -- moving samples ---------------------------------------------------------------------------------
-def _to_device(v, leaves=None):
+# Entries that address their input's whole storage (as_strided with an offset): their inputs move
+# with that storage, so a view keeps its offset and the memory around it, as on CPU.
+WHOLE_STORAGE = {"as_strided", "as_strided.partial_views", "as_strided_scatter"}
+
+
+def _with_storage(v):
+    """``v`` on neuron as the same view of a copy of its whole storage."""
+    storage = v.detach().untyped_storage()
+    base = torch.empty(0, dtype=v.dtype).set_(storage, 0, (storage.nbytes() // v.element_size(),), (1,))
+    d = base.to(DEVICE).as_strided(v.shape, v.stride(), v.storage_offset())
+    return d.requires_grad_(True) if v.requires_grad else d
+
+
+def _to_device(v, leaves=None, whole_storage=False):
     if isinstance(v, torch.Tensor):
-        d = v.detach().to(DEVICE)
+        d = _with_storage(v) if whole_storage and v.layout == torch.strided else v.detach().to(DEVICE)
         if v.requires_grad:
-            d.requires_grad_(True)
+            if not d.requires_grad:
+                d.requires_grad_(True)
             if leaves is not None:
                 leaves.append(d)
         return d
@@ -281,7 +296,7 @@ def _move(sample, leaves=None, name=""):
         if isinstance(x, dict):
             return {k: (DEVICE if k == "device" and x[k] in ("cpu", torch.device("cpu")) else mv(e))
                     for k, e in x.items()}
-        return _to_device(x, leaves)
+        return _to_device(x, leaves, name in WHOLE_STORAGE)
     inp = mv(sample.input)   # leaves are collected in (input, args, kwargs) order, as on CPU
     args = [a if i in keep else mv(a) for i, a in enumerate(sample.args)]
     return inp, args, mv(dict(sample.kwargs))

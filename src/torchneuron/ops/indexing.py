@@ -166,6 +166,8 @@ def masked_fill(self, mask, value):
 
 @lowering("masked_scatter.default", promote="result", promote_args=("self", "source"))
 def masked_scatter(self, mask, source):
+    if source.size == 0:   # nothing to scatter (PyTorch requires the mask to select nothing)
+        return self
     mask = jnp.broadcast_to(mask, self.shape).reshape(-1)
     positions = jnp.cumsum(mask.astype(jnp.int64)) - 1
     picked = source.reshape(-1)[jnp.clip(positions, 0, max(source.size - 1, 0))]
