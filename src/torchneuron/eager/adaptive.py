@@ -44,7 +44,6 @@ class Region:
 
     def reset(self):
         self.ops = []            # (executable, input storage ids, output storage ids, runtime count)
-        self.keys = []           # each op's kernel cache key (part of the region's structure)
         self.runtime = []        # every op's runtime inputs (scalars, RNG seeds/offsets), in order
         self.sid_of = {}         # storage address -> storage id within the region
         self.addr_of = []        # storage id -> address
@@ -63,7 +62,7 @@ class Region:
                 self.external_sids.append(sid)
         return sid
 
-    def record(self, k, exe, key, values, ctx):
+    def record(self, k, exe, values, ctx):
         with self.lock:
             input_sids = tuple(self._sid(addr, buf) for addr, buf in zip(ctx.addrs, ctx.bufs))
             device_index = ctx.device_index if ctx.device_index is not None else kernel._output_device(values, k)
@@ -87,7 +86,6 @@ class Region:
                 _records[ctx.addrs[slot]].buf = PENDING
                 self.results.add(input_sids[slot])
             self.ops.append((exe, input_sids, tuple(out_sids), len(ctx.runtime)))
-            self.keys.append(key)
             self.runtime.extend(ctx.runtime)
             full = len(self.ops) >= config.adaptive_max_ops
         if full:
@@ -100,11 +98,13 @@ class Region:
         with self.lock:
             if not self.ops:
                 return
-            ops, keys, runtime = self.ops, self.keys, self.runtime
+            ops, runtime = self.ops, self.runtime
             external, external_sids, addr_of = self.external, self.external_sids, self.addr_of
             live = tuple(sorted(sid for sid in self.results if addr_of[sid] in _records))
             self.reset()
-            structure = (tuple(keys), tuple((o[1], o[2]) for o in ops), tuple(external_sids), live)
+            # Executables stand for their cache keys (one per key, hashed by identity: cheaper than
+            # re-hashing every op's key at each flush, and held alive here so ids are not reused).
+            structure = (tuple(ops), tuple(external_sids), live)
             fn = _regions.get(structure)
             if fn is None:
                 fn = _build(ops, external_sids, live)

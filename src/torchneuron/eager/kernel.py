@@ -183,7 +183,7 @@ class Kernel:
         if exe is None:
             exe = _cache[key] = self._plan(values, specs, ctx)
         if recorder is not None:   # adaptive eager: record now, run fused at the next sync point
-            return recorder.record(self, exe, key, values, ctx)
+            return recorder.record(self, exe, values, ctx)
         if exe.call is None:
             results = self._first_call(exe, bufs, runtime, values, ctx.device_index)
         else:

@@ -44,8 +44,9 @@ def _reader(buf_shape, buf_dtype, dtype, sizes, strides, offset):
     return jax.jit(lambda buf: layout.read(buf, dtype, sizes, strides, offset))
 
 
-def device_array(t: torch.Tensor):
-    """The logical contents of a neuron tensor as a jax.Array (no host copy)."""
+def device_array(t: torch.Tensor, host: bool = False):
+    """The logical contents of a neuron tensor as a jax.Array (no host copy), or with ``host`` as a
+    NumPy array (a tensor covering its whole buffer is then reshaped on the host: no device op)."""
     if t.numel() == 0:
         return jax.numpy.zeros(tuple(t.shape), dtype=jax_dtype(t.dtype))
     rec = memory.record_of(t)
@@ -55,7 +56,7 @@ def device_array(t: torch.Tensor):
     from ..eager import layout
     if offset == 0 and buf.dtype == dtype and layout.is_contiguous(sizes, strides) \
             and buf.shape[0] == t.numel():
-        return buf.reshape(sizes)
+        return np.asarray(buf).reshape(sizes) if host else buf.reshape(sizes)
     return _reader(buf.shape, buf.dtype, dtype, sizes, tuple(strides), offset)(buf)
 
 
@@ -67,7 +68,7 @@ def to_host(t: torch.Tensor) -> np.ndarray:
 
 
 def _to_host(t: torch.Tensor) -> np.ndarray:
-    arr = np.asarray(device_array(t))
+    arr = np.asarray(device_array(t, host=True))
     metrics.d2h_copies += 1
     metrics.d2h_bytes += arr.nbytes
     return arr
