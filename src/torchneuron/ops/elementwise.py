@@ -83,7 +83,14 @@ def fmod(self, other):
           promote_args=("self", "exponent"))
 def pow_(self, exponent):
     if _is_int(self):
-        return lax.integer_pow(self, exponent) if isinstance(exponent, int) else jnp.power(self, exponent)
+        if isinstance(exponent, int):
+            return lax.integer_pow(self, exponent)
+        # A negative integer power is 0 except for bases 1 and -1 (ATen's powi).
+        exponent = jnp.asarray(exponent)
+        positive = jnp.power(self, jnp.maximum(exponent, 0))
+        odd = (exponent % 2) != 0
+        negative = jnp.where(self == 1, 1, jnp.where(self == -1, jnp.where(odd, -1, 1), 0)).astype(positive.dtype)
+        return jnp.where(exponent < 0, negative, positive)
     return jnp.power(self, exponent)
 
 

@@ -17,6 +17,11 @@ def _wrap(index, size):
     return jnp.where(index < 0, index + size, index)
 
 
+def _add_at(at, values):
+    """Scatter-add; for bool tensors a logical or, as PyTorch accumulates booleans."""
+    return at.max(values) if at.array.dtype == jnp.bool_ else at.add(values)
+
+
 @lowering("index.Tensor", "_unsafe_index.Tensor")
 def index(self, indices):
     # Bool masks were turned into integer indices by the kernel (see eager/dynamic.py).
@@ -26,7 +31,7 @@ def index(self, indices):
 @lowering("index_put.default", "_unsafe_index_put.default", promote="result", promote_args=("self", "values"))
 def index_put(self, indices, values, accumulate=False):
     idx = _index_tuple(indices)
-    return self.at[idx].add(values) if accumulate else self.at[idx].set(values)
+    return _add_at(self.at[idx], values) if accumulate else self.at[idx].set(values)
 
 
 @lowering("_index_put_impl_.default", promote="result", promote_args=("self", "values"))
@@ -76,7 +81,7 @@ def scatter_reduce_legacy(self, dim, index, src=None, value=None, *, reduce):
     dim = dim % max(self.ndim, 1)
     vals = _src_like(src if src is not None else value, index)
     at = self.at[_scatter_index(index, dim, self.shape[dim])]
-    return at.add(vals) if reduce == "add" else at.multiply(vals)
+    return _add_at(at, vals) if reduce == "add" else at.multiply(vals)
 
 
 @lowering("scatter_add.default", promote="result", promote_args=("self", "src"))
@@ -84,7 +89,7 @@ def scatter_add(self, dim, index, src):
     if self.ndim == 0:
         return self + src.reshape(()) if index.size else self
     dim = dim % self.ndim
-    return self.at[_scatter_index(index, dim, self.shape[dim])].add(_src_like(src, index))
+    return _add_at(self.at[_scatter_index(index, dim, self.shape[dim])], _src_like(src, index))
 
 
 @lowering("scatter_reduce.two", promote="result", promote_args=("self", "src"))
@@ -107,7 +112,7 @@ def scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
     base = self if include_self else self.at[idx].set(jnp.asarray(identity, self.dtype))
     at = base.at[idx]
     if reduce in ("sum", "mean"):
-        out = at.add(vals)
+        out = _add_at(at, vals)
     elif reduce == "prod":
         out = at.multiply(vals)
     elif reduce == "amax":
@@ -204,7 +209,7 @@ def put(self, index, source, accumulate=False):
     flat = self.reshape(-1)
     idx = _wrap(index.reshape(-1), flat.shape[0])
     src = source.reshape(-1)
-    out = flat.at[idx].add(src) if accumulate else flat.at[idx].set(src)
+    out = _add_at(flat.at[idx], src) if accumulate else flat.at[idx].set(src)
     return out.reshape(self.shape)
 
 

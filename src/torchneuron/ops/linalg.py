@@ -8,6 +8,7 @@ import jax.scipy.linalg as jsl
 from jax import lax
 from jax._src.lax import linalg as lax_linalg  # geqrf is not re-exported by jax.lax.linalg
 
+from .numerics import compute_dtype
 from .registry import lowering
 
 # PyTorch's float32 matmuls are full precision by default; keep them so on every PJRT platform.
@@ -39,6 +40,9 @@ def dot(self, other):
 
 
 def _scaled_sum(self, product, beta, alpha):
+    if jnp.issubdtype(product.dtype, jnp.integer):
+        # Integer results take integer factors (C++ casts: 0.6 -> 0), as on CPU.
+        beta, alpha = jnp.asarray(beta).astype(product.dtype), jnp.asarray(alpha).astype(product.dtype)
     # beta == 0 ignores `self` entirely (NaN included), as PyTorch documents.
     return jnp.where(beta == 0, jnp.zeros_like(product), self * beta) + product * alpha
 
@@ -383,8 +387,9 @@ def linalg_lstsq(self, b, rcond=None, *, driver=None):
 def linalg_matrix_exp(self):
     if self.shape[-1] == 0:
         return self
-    flat = self.reshape((-1,) + self.shape[-2:])
-    return jax.vmap(jsl.expm)(flat).reshape(self.shape)
+    # expm has no half-precision kernel: compute in float32, round once.
+    flat = self.reshape((-1,) + self.shape[-2:]).astype(compute_dtype(self.dtype))
+    return jax.vmap(jsl.expm)(flat).reshape(self.shape).astype(self.dtype)
 
 
 @lowering("linalg_eig.default", platforms=_LAPACK_ONLY)
