@@ -24,17 +24,26 @@ def _is_int(x) -> bool:
 def add(self, other, alpha=1):
     if jnp.result_type(self) == jnp.bool_:
         return jnp.logical_or(self, jnp.logical_and(other, alpha))
-    return self + other * alpha
+    return _scaled(lambda a, b: a + b, self, other, alpha)
 
 
 @lowering("sub.Tensor", "sub.Scalar", promote="result", promote_args=("self", "other"))
 def sub(self, other, alpha=1):
-    return self - other * alpha
+    return _scaled(lambda a, b: a - b, self, other, alpha)
 
 
 @lowering("rsub.Tensor", "rsub.Scalar", promote="result", promote_args=("self", "other"))
 def rsub(self, other, alpha=1):
-    return other - self * alpha
+    return _scaled(lambda a, b: a - b, other, self, alpha)
+
+
+def _scaled(op, self, other, alpha):
+    """``op(self, other * alpha)`` rounded once for half precision (ATen's opmath), not per step."""
+    dtype = jnp.result_type(self)
+    compute = compute_dtype(dtype)
+    if compute == dtype:
+        return op(self, other * alpha)
+    return op(self.astype(compute), jnp.asarray(other).astype(compute) * alpha).astype(dtype)
 
 
 @lowering("mul.Tensor", "mul.Scalar", promote="result", promote_args=("self", "other"))

@@ -114,7 +114,7 @@ def scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
     if reduce in ("sum", "mean"):
         out = _add_at(at, vals)
     elif reduce == "prod":
-        out = at.multiply(vals)
+        out = at.min(vals) if self.dtype == jnp.bool_ else at.multiply(vals)   # bool product: and
     elif reduce == "amax":
         out = at.max(vals)
     else:

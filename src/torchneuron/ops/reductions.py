@@ -196,7 +196,7 @@ def any_all(self):
 
 @lowering("any.dim")
 def any_dim(self, dim, keepdim=False):
-    return jnp.any(self != 0, axis=dim, keepdims=keepdim)
+    return jnp.any(self != 0, axis=dims(dim, self.ndim), keepdims=keepdim)   # dim 0 of a 0-d tensor
 
 
 @lowering("any.dims")
@@ -211,7 +211,7 @@ def all_all(self):
 
 @lowering("all.dim")
 def all_dim(self, dim, keepdim=False):
-    return jnp.all(self != 0, axis=dim, keepdims=keepdim)
+    return jnp.all(self != 0, axis=dims(dim, self.ndim), keepdims=keepdim)   # dim 0 of a 0-d tensor
 
 
 @lowering("all.dims")
