@@ -167,7 +167,11 @@ def logaddexp2(self, other):
 
 @lowering("lerp.Scalar", "lerp.Tensor", promote="result", promote_args=("self", "end", "weight"))
 def lerp(self, end, weight):
-    return self + weight * (end - self)
+    # ATen's formula (exact at both ends), in float32 for half precision.
+    dtype = jnp.result_type(self)
+    x, y, w = (jnp.asarray(v).astype(compute_dtype(dtype)) for v in (self, end, weight))
+    out = jnp.where(jnp.abs(w) < 0.5, x + w * (y - x), y - (y - x) * (1 - w))
+    return out.astype(dtype)
 
 
 @lowering("addcmul.default", promote="result", promote_args=("self", "tensor1", "tensor2"))
@@ -304,6 +308,11 @@ def nan_to_num(self, nan=None, posinf=None, neginf=None):
     return jnp.nan_to_num(self, nan=0.0 if nan is None else nan, posinf=posinf, neginf=neginf)
 
 
+def digamma(x):
+    """ATen's digamma: -inf at +0 (+inf at -0), NaN at the negative integers (poles)."""
+    return jnp.where(x == 0, jnp.copysign(jnp.inf, -x), jsp.digamma(x))
+
+
 # -- unary math ---------------------------------------------------------------------------------
 def _unary(name, fn, promote="result"):
     lowering(f"{name}.default", promote=promote, promote_args=("self",))(fn)
@@ -316,7 +325,7 @@ for _name, _fn in {
     "acos": jnp.arccos, "atan": jnp.arctan, "sinh": jnp.sinh, "cosh": jnp.cosh, "tanh": jnp.tanh,
     "asinh": jnp.arcsinh, "acosh": jnp.arccosh, "atanh": jnp.arctanh, "sigmoid": jax.nn.sigmoid,
     "erf": jsp.erf, "erfc": jsp.erfc, "erfinv": jsp.erfinv, "reciprocal": jnp.reciprocal,
-    "lgamma": jsp.gammaln, "digamma": jsp.digamma, "i0": jsp.i0, "sinc": jnp.sinc,
+    "lgamma": jsp.gammaln, "digamma": digamma, "i0": jsp.i0, "sinc": jnp.sinc,
     "deg2rad": jnp.deg2rad, "rad2deg": jnp.rad2deg, "square": jnp.square,
     "conj_physical": jnp.conj, "_conj_physical": jnp.conj, "angle": jnp.angle,
     "special_i0e": jsp.i0e, "special_i1": jsp.i1, "special_i1e": jsp.i1e,

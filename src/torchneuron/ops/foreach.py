@@ -43,12 +43,22 @@ _UNARY = ["abs", "acos", "asin", "atan", "ceil", "cos", "cosh", "erf", "erfc", "
           "sign", "sin", "sinh", "sqrt", "tan", "tanh", "trunc"]
 
 
+# Unary ops whose result keeps an integer input's dtype; the others compute in the default float
+# dtype (as the single-tensor kernels' promotion does before calling the same lowering).
+_INTEGER_PRESERVING = {"abs", "ceil", "floor", "frac", "neg", "round", "sign", "trunc"}
+
+
 def _register_unary(name):
     fn = _fn(f"{name}.default")
+    floating = name not in _INTEGER_PRESERVING
+
+    def promote(x):
+        exact = jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_
+        return x.astype(jnp.float32) if floating and exact else x
 
     @lowering(f"_foreach_{name}.default")
     def unary(self):
-        return [fn(x) for x in self]
+        return [fn(promote(x)) for x in self]
 
 
 for _name in _UNARY:

@@ -39,32 +39,42 @@ def dot(self, other):
     return jnp.dot(self, other, precision=_PRECISION)
 
 
+def _mm_acc(a, b):
+    """a @ b left in the accumulation dtype (float32 for half precision) for _scaled_sum to round once."""
+    dtype = jnp.result_type(a, b)
+    acc = compute_dtype(dtype)
+    return jnp.matmul(a, b, precision=_PRECISION, preferred_element_type=acc if acc != dtype else None)
+
+
 def _scaled_sum(self, product, beta, alpha):
+    """beta * self + alpha * product in the product's (accumulation) dtype, rounded once to self's."""
+    dtype = self.dtype
     if jnp.issubdtype(product.dtype, jnp.integer):
         # Integer results take integer factors (C++ casts: 0.6 -> 0), as on CPU.
         beta, alpha = jnp.asarray(beta).astype(product.dtype), jnp.asarray(alpha).astype(product.dtype)
     # beta == 0 ignores `self` entirely (NaN included), as PyTorch documents.
-    return jnp.where(beta == 0, jnp.zeros_like(product), self * beta) + product * alpha
+    out = jnp.where(beta == 0, jnp.zeros_like(product), self.astype(product.dtype) * beta) + product * alpha
+    return out.astype(dtype)
 
 
 @lowering("addmm.default", promote="common", promote_args=("self", "mat1", "mat2"))
 def addmm(self, mat1, mat2, *, beta=1, alpha=1):
-    return _scaled_sum(self, _mm(mat1, mat2), beta, alpha)
+    return _scaled_sum(self, _mm_acc(mat1, mat2), beta, alpha)
 
 
 @lowering("addmv.default", promote="common", promote_args=("self", "mat", "vec"))
 def addmv(self, mat, vec, *, beta=1, alpha=1):
-    return _scaled_sum(self, _mm(mat, vec), beta, alpha)
+    return _scaled_sum(self, _mm_acc(mat, vec), beta, alpha)
 
 
 @lowering("baddbmm.default", promote="common", promote_args=("self", "batch1", "batch2"))
 def baddbmm(self, batch1, batch2, *, beta=1, alpha=1):
-    return _scaled_sum(self, _mm(batch1, batch2), beta, alpha)
+    return _scaled_sum(self, _mm_acc(batch1, batch2), beta, alpha)
 
 
 @lowering("addbmm.default", promote="common", promote_args=("self", "batch1", "batch2"))
 def addbmm(self, batch1, batch2, *, beta=1, alpha=1):
-    return _scaled_sum(self, jnp.sum(_mm(batch1, batch2), axis=0), beta, alpha)
+    return _scaled_sum(self, jnp.sum(_mm_acc(batch1, batch2), axis=0), beta, alpha)
 
 
 @lowering("addr.default", promote="common", promote_args=("self", "vec1", "vec2"))

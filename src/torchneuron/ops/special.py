@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy import special as jsp
 
+from .elementwise import digamma
 from .numerics import compute_dtype
 from .registry import lowering
 
@@ -240,7 +241,7 @@ def polygamma(n, self):
     # Half-precision inputs compute in float32 (ATen's opmath): near the poles the terms cancel.
     x = self.astype(compute_dtype(self.dtype))
     if n == 0:
-        out = jsp.digamma(x)
+        out = digamma(x)
     elif n == 1:
         out = _trigamma(x)
     else:
