@@ -318,7 +318,7 @@ def test_identical_graph_reuses_the_in_memory_executable():
 _WARM_START = textwrap.dedent("""
     import json, torch            # no `import torchneuron`: the entry points bring it in
     def f(x, w):
-        return torch.relu(x @ w).sum(0).softmax(-1)
+        return torch.relu(x[torch.arange(8, device=x.device) % 5] @ w).sum(0).softmax(-1)
     x = torch.randn(8, 16, device="neuron")
     w = torch.randn(16, 4, device="neuron", requires_grad=True)
     out = torch.compile(f, backend="neuron")(x, w)
@@ -353,6 +353,18 @@ def test_second_process_starts_warm_from_the_disk_cache(tmp_path):
     assert "torch.ops.aten.mm" in (tmp_path / "dump" / next(p for p in fx if "forward" in p)).read_text()
     assert "stablehlo.dot_general" in (tmp_path / "dump" / hlo[0]).read_text() or \
         "stablehlo" in (tmp_path / "dump" / hlo[0]).read_text()
+
+    # Without the graph index, a process compiles through JAX's persistent cache (a deserialized
+    # executable). That executable must not be written back to the index: re-serializing it loses
+    # its fused kernels, and the next process failed with "Function ... not found".
+    for entry in (tmp_path / "cache" / "graphs").glob("*.tnexe"):
+        entry.unlink()
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _WARM_START], env=env, capture_output=True, text=True,
+                              timeout=600)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
+        assert line is not None, proc.stderr[-3000:]
+        assert abs(json.loads(line[len("RESULT"):])["sum"] - 1.0) < 1e-5
 
 
 # -- static shapes, recompiles, graph breaks ------------------------------------------------------

@@ -547,8 +547,13 @@ class GraphProgram:
             metrics.executables_compiled += 1
         cache.dump(name, self.gm, lowered, specs, self.dump_dir)
         exe = _Executable(compiled, len(self.buffers), len(self.host_outputs), fn.writes, fn.host_writes, name)
-        cache.store_graph(disk_key, compiled, {"n_new": exe.n_new, "n_host": exe.n_host, "writes": exe.writes,
-                                               "host_writes": exe.host_writes, "name": name})
+        if not hits.count:
+            # Only a freshly compiled executable goes into the index: one that XLA deserialized
+            # from JAX's cache serializes again without its fused CPU kernels, and loading that
+            # entry later fails at run time ("Function ... not found").
+            cache.store_graph(disk_key, compiled, {"n_new": exe.n_new, "n_host": exe.n_host,
+                                                   "writes": exe.writes, "host_writes": exe.host_writes,
+                                                   "name": name})
         _shared_executables[shared_key] = exe
         return exe
 
