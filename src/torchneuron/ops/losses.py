@@ -14,15 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .nn import reduce_loss
 from .registry import lowering
-
-
-def _reduce(loss, reduction):
-    if reduction == 1:
-        return jnp.mean(loss)
-    if reduction == 2:
-        return jnp.sum(loss)
-    return loss
 
 
 def _hinge(z):
@@ -47,7 +40,7 @@ def _multi_margin(self, target, p, margin, weight, reduction):
     loss = jnp.sum(z, axis=1) / c
     if self.ndim < 2:
         loss = loss.reshape(())
-    return _reduce(loss, reduction)
+    return reduce_loss(loss, reduction)
 
 
 @lowering("multi_margin_loss.default", static_scalars=True)
@@ -82,12 +75,12 @@ def _multilabel(self, target):
 @lowering("multilabel_margin_loss_forward.default")
 def multilabel_margin_loss_forward(self, target, reduction):
     loss, is_target = _multilabel(self, target)
-    return _reduce(loss, reduction), is_target
+    return reduce_loss(loss, reduction), is_target
 
 
 @lowering("multilabel_margin_loss_backward.default")
 def multilabel_margin_loss_backward(grad_output, self, target, reduction, is_target):
-    _, vjp = jax.vjp(lambda x: _reduce(_multilabel(x, target)[0], reduction), self)
+    _, vjp = jax.vjp(lambda x: reduce_loss(_multilabel(x, target)[0], reduction), self)
     return vjp(grad_output.astype(self.dtype))[0]
 
 

@@ -149,7 +149,9 @@ def max_pool3d_with_indices(self, kernel_size, stride=(), padding=(0,), dilation
     return _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, 3)
 
 
-def _max_pool_backward(grad_output, self, indices, nd):
+def scatter_to_indices(grad_output, self, indices, nd):
+    """Backward of every pooling op that returns flat window indices (max, adaptive, fractional):
+    each gradient element is added at the input position its index names."""
     lead = self.shape[:-nd]
     n = int(np.prod(self.shape[-nd:]))
     g = grad_output.reshape(lead + (-1,))
@@ -162,13 +164,13 @@ def _max_pool_backward(grad_output, self, indices, nd):
 @lowering("max_pool2d_with_indices_backward.default")
 def max_pool2d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode,
                                      indices):
-    return _max_pool_backward(grad_output, self, indices, 2)
+    return scatter_to_indices(grad_output, self, indices, 2)
 
 
 @lowering("max_pool3d_with_indices_backward.default")
 def max_pool3d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode,
                                      indices):
-    return _max_pool_backward(grad_output, self, indices, 3)
+    return scatter_to_indices(grad_output, self, indices, 3)
 
 
 def _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, nd):
@@ -492,7 +494,8 @@ def log_softmax_backward_data(grad_output, output, dim, input_dtype):
 
 
 # -- losses -------------------------------------------------------------------------------------
-def _reduce(loss, reduction):
+def reduce_loss(loss, reduction):
+    """ATen's Reduction enum: 0 none, 1 mean, 2 sum (shared by every loss lowering)."""
     if reduction == 1:
         return jnp.mean(loss)
     if reduction == 2:
@@ -532,7 +535,7 @@ def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index
 
 @lowering("mse_loss.default", promote="result", promote_args=("self", "target"))
 def mse_loss(self, target, reduction=1):
-    return _reduce(jnp.square(self - target), reduction)
+    return reduce_loss(jnp.square(self - target), reduction)
 
 
 @lowering("mse_loss_backward.default", promote="result", promote_args=("grad_output", "self", "target"))
@@ -543,7 +546,7 @@ def mse_loss_backward(grad_output, self, target, reduction):
 
 @lowering("l1_loss.default", promote="result", promote_args=("self", "target"))
 def l1_loss(self, target, reduction=1):
-    return _reduce(jnp.abs(self - target), reduction)
+    return reduce_loss(jnp.abs(self - target), reduction)
 
 
 def _smooth_l1(self, target, beta):
@@ -553,12 +556,12 @@ def _smooth_l1(self, target, beta):
 
 @lowering("smooth_l1_loss.default", promote="result", promote_args=("self", "target"))
 def smooth_l1_loss(self, target, reduction=1, beta=1.0):
-    return _reduce(_smooth_l1(self, target, beta), reduction)
+    return reduce_loss(_smooth_l1(self, target, beta), reduction)
 
 
 @lowering("smooth_l1_loss_backward.default", promote="result", promote_args=("grad_output", "self", "target"))
 def smooth_l1_loss_backward(grad_output, self, target, reduction, beta):
-    _, vjp = jax.vjp(lambda x: _reduce(_smooth_l1(x, target, beta), reduction), self)
+    _, vjp = jax.vjp(lambda x: reduce_loss(_smooth_l1(x, target, beta), reduction), self)
     return vjp(jnp.broadcast_to(grad_output, () if reduction else self.shape).astype(self.dtype))[0]
 
 
@@ -569,12 +572,12 @@ def _huber(self, target, delta):
 
 @lowering("huber_loss.default", promote="result", promote_args=("self", "target"))
 def huber_loss(self, target, reduction=1, delta=1.0):
-    return _reduce(_huber(self, target, delta), reduction)
+    return reduce_loss(_huber(self, target, delta), reduction)
 
 
 @lowering("huber_loss_backward.default", promote="result", promote_args=("grad_output", "self", "target"))
 def huber_loss_backward(grad_output, self, target, reduction, delta):
-    _, vjp = jax.vjp(lambda x: _reduce(_huber(x, target, delta), reduction), self)
+    _, vjp = jax.vjp(lambda x: reduce_loss(_huber(x, target, delta), reduction), self)
     return vjp(jnp.broadcast_to(grad_output, () if reduction else self.shape).astype(self.dtype))[0]
 
 
@@ -587,7 +590,7 @@ def _bce(self, target, weight):
 
 @lowering("binary_cross_entropy.default", promote="result", promote_args=("self", "target", "weight"))
 def binary_cross_entropy(self, target, weight=None, reduction=1):
-    return _reduce(_bce(self, target, weight), reduction)
+    return reduce_loss(_bce(self, target, weight), reduction)
 
 
 @lowering("binary_cross_entropy_backward.default", promote="result",
@@ -611,4 +614,4 @@ def bce_with_logits(self, target, weight=None, pos_weight=None, reduction=1):
         loss = -(target * log_sig + (1 - target) * log_sig_neg)
     if weight is not None:
         loss = loss * weight
-    return _reduce(loss, reduction)
+    return reduce_loss(loss, reduction)

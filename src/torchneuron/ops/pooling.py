@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from .nn import scatter_to_indices
 from .numerics import compute_dtype, lowest
 from .registry import lowering
 
@@ -72,16 +73,6 @@ def _adaptive_max(self, output_size, nd):
     return (out, idx) if batched else (out[0], idx[0])
 
 
-def _scatter_back(grad_output, self, indices, nd):
-    lead = self.shape[:-nd]
-    n = int(np.prod(self.shape[-nd:]))
-    g = grad_output.reshape(lead + (-1,))
-    idx = indices.reshape(lead + (-1,))
-    zeros = jnp.zeros(lead + (n,), grad_output.dtype)
-    lead_idx = jnp.indices(idx.shape, sparse=True)[:-1]
-    return zeros.at[tuple(lead_idx) + (idx,)].add(g).reshape(self.shape)
-
-
 @lowering("adaptive_max_pool2d.default")
 def adaptive_max_pool2d(self, output_size):
     return _adaptive_max(self, output_size, 2)
@@ -94,12 +85,12 @@ def adaptive_max_pool3d(self, output_size):
 
 @lowering("adaptive_max_pool2d_backward.default")
 def adaptive_max_pool2d_backward(grad_output, self, indices):
-    return _scatter_back(grad_output, self, indices, 2)
+    return scatter_to_indices(grad_output, self, indices, 2)
 
 
 @lowering("adaptive_max_pool3d_backward.default")
 def adaptive_max_pool3d_backward(grad_output, self, indices):
-    return _scatter_back(grad_output, self, indices, 3)
+    return scatter_to_indices(grad_output, self, indices, 3)
 
 
 def _intervals(sample, in_size, out_size, pool):
@@ -143,9 +134,9 @@ def fractional_max_pool3d(self, kernel_size, output_size, random_samples):
 
 @lowering("fractional_max_pool2d_backward.default")
 def fractional_max_pool2d_backward(grad_output, self, kernel_size, output_size, indices):
-    return _scatter_back(grad_output, self, indices, 2)
+    return scatter_to_indices(grad_output, self, indices, 2)
 
 
 @lowering("fractional_max_pool3d_backward.default")
 def fractional_max_pool3d_backward(grad_output, self, kernel_size, output_size, indices):
-    return _scatter_back(grad_output, self, indices, 3)
+    return scatter_to_indices(grad_output, self, indices, 3)
