@@ -46,23 +46,31 @@ class _Pool:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
-        """A free uint8 array of at least ``nbytes + _ALIGN`` bytes."""
+        """A free, ``_ALIGN``-aligned uint8 array of ``nbytes`` bytes."""
         with self._lock:
             stack = self._buffers.setdefault(nbytes, [])
-            for i in range(len(stack)):
-                # Referenced only by the pool's list and this call's argument: nobody uses it.
-                if sys.getrefcount(stack[i]) <= 2:
-                    return stack[i]
-            raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+            for raw, start in stack:
+                # Referenced only by the pool's entry, the loop variable and this call's argument:
+                # nobody uses it (every view handed out has ``raw`` as its numpy base).
+                if sys.getrefcount(raw) <= 3:
+                    return raw[start:start + nbytes]
+            raw, start = _aligned(nbytes)
             if len(stack) < _POOL_PER_SIZE and self._bytes + raw.nbytes <= _POOL_BYTES:
-                stack.append(raw)
+                stack.append((raw, start))
                 self._bytes += raw.nbytes
-            return raw
+            return raw[start:start + nbytes]
 
 
 _pool = _Pool()
 
 
+def _aligned(nbytes: int) -> tuple[np.ndarray, int]:
+    """A new uint8 array with room for ``nbytes`` from an ``_ALIGN``-aligned start, and that start."""
+    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    return raw, (-raw.__array_interface__["data"][0]) % _ALIGN
+
+
+@functools.cache
 def _numpy_dtype(dtype: torch.dtype):
     return ml_dtypes.bfloat16 if dtype == torch.bfloat16 else torch.empty((), dtype=dtype).numpy().dtype
 
@@ -74,9 +82,11 @@ def _buffer(shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray 
     nbytes = numel * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype), None
-    raw = _pool.take(nbytes) if nbytes >= _POOL_MIN else np.empty(nbytes + _ALIGN, dtype=np.uint8)
-    start = (-raw.ctypes.data) % _ALIGN
-    block = raw[start:start + nbytes]
+    if nbytes >= _POOL_MIN:
+        block = _pool.take(nbytes)
+    else:
+        raw, start = _aligned(nbytes)
+        block = raw[start:start + nbytes]
     return torch.from_numpy(block).view(dtype).view(shape), block.view(_numpy_dtype(dtype)).reshape(shape)
 
 
