@@ -529,8 +529,21 @@ def nll_loss_forward(self, target, weight, reduction, ignore_index):
 
 @lowering("nll_loss_backward.default", "nll_loss2d_backward.default")
 def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
-    _, vjp = jax.vjp(lambda x: _nll(x, target, weight, reduction, ignore_index)[0], self)
-    return vjp(grad_output.astype(self.dtype).reshape(() if reduction else target.shape))[0]
+    # -grad * weight at each target class, 0 elsewhere: a compare against the class index fuses
+    # with the log-softmax backward that follows, where a scatter would materialise a zero
+    # (batch x classes) tensor first.
+    cdim = 1 if self.ndim >= 2 else 0
+    t = target.astype(jnp.int64)
+    valid = t != ignore_index
+    safe = jnp.where(valid, t, 0)
+    w = weight[safe] if weight is not None else jnp.ones(safe.shape, self.dtype)
+    coef = -grad_output.astype(self.dtype).reshape(() if reduction else target.shape) * \
+        jnp.where(valid, w, 0).astype(self.dtype)
+    if reduction == 1:
+        coef = coef / total_weight.astype(self.dtype)
+    classes = lax.broadcasted_iota(jnp.int64, self.shape, cdim)
+    hit = classes == jnp.expand_dims(safe, cdim)
+    return jnp.where(hit, jnp.expand_dims(coef, cdim), jnp.zeros((), self.dtype))
 
 
 @lowering("mse_loss.default", promote="result", promote_args=("self", "target"))
