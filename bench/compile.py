@@ -137,6 +137,9 @@ def measure(cfgs, which, args):
     for _ in range(args.repeats):
         for name, thunks in cfgs.items():
             sync(thunks[2])
+            # Let the previous config's worker threads (OpenMP, XLA's pool) stop spinning first:
+            # otherwise they take cores from whichever config is timed next.
+            time.sleep(0.5)
             start = time.perf_counter()
             for _ in range(args.iters):
                 out = thunks[index]()

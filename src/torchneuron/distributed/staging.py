@@ -19,7 +19,6 @@ import sys
 import threading
 from collections.abc import Sequence
 
-import jax
 import ml_dtypes
 import numpy as np
 import torch
@@ -120,32 +119,12 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
     return buffer(t.shape, t.dtype)
 
 
-try:   # jax.device_put spends ~300 us in Python per call; its core takes ~15 us (jax is pinned)
-    from jax._src import core as _jax_core
-    from jax._src.interpreters import pxla as _pxla
-    from jax.sharding import SingleDeviceSharding as _SingleDeviceSharding
-except ImportError:   # pragma: no cover - a jax without these internals takes the public path
-    _pxla = None
-
-
-@functools.lru_cache(maxsize=512)
-def _put_spec(shape: tuple, dtype: np.dtype, device_index: int):
-    device = pjrt.device(device_index)
-    return _jax_core.ShapedArray(shape, dtype), _SingleDeviceSharding(device), device
-
-
 def _adopt(host: np.ndarray, device_index: int):
     metrics.h2d_copies += 1
     metrics.h2d_bytes += host.nbytes
     # Nobody writes this buffer again, so PJRT may adopt it instead of copying (transfers.upload
     # must copy user data, which the user may still change).
-    if _pxla is not None:
-        try:
-            aval, sharding, device = _put_spec(host.shape, host.dtype, device_index)
-            return _pxla.batched_device_put(aval, sharding, [host], [device])
-        except (AttributeError, TypeError):   # internals changed: the public path still works
-            pass
-    return jax.device_put(host, pjrt.device(device_index), may_alias=True)
+    return pjrt.put(host, device_index)
 
 
 def to_device(dst: torch.Tensor, host: torch.Tensor) -> None:

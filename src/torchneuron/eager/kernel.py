@@ -29,7 +29,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 
 from ..metrics import metrics
 from ..ops.registry import Lowering
-from ..runtime import memory, rng
+from ..runtime import memory, pjrt, rng
 from ..runtime.dtypes import device_dtype, jax_dtype
 from . import layout
 
@@ -401,8 +401,26 @@ def scalar_array(v):
     if arr is None:
         if v != v or len(_scalar_arrays) > 4096:  # NaN never hits a dict; keep the cache bounded
             return v
-        arr = _scalar_arrays[key] = jnp.asarray(v)
+        arr = _scalar_arrays[key] = _weak_scalar(v)
     return arr
+
+
+# What jnp.asarray makes of each Python scalar type (x64 mode): (numpy dtype, weakly typed).
+_SCALAR_TYPES = {bool: (np.bool_, False), int: (np.int64, True), float: (np.float64, True),
+                 complex: (np.complex128, True)}
+
+
+def _weak_scalar(v):
+    """``jnp.asarray(v)`` in a quarter of the time: a new runtime scalar per step (an optimizer's
+    bias corrections) would otherwise cost ~60 us each."""
+    kind = _SCALAR_TYPES.get(v.__class__)
+    if kind is None:
+        return jnp.asarray(v)
+    try:
+        host = np.asarray(v, dtype=kind[0])
+    except OverflowError:
+        return jnp.asarray(v)   # raises JAX's own error for an int beyond int64
+    return pjrt.put(host, 0, weak=kind[1], committed=False)
 
 
 def _view_spec(t, ctx):
