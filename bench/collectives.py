@@ -1,6 +1,6 @@
 """Collective bandwidth: neuron tensors through the ``neuron`` backend vs CPU tensors through gloo.
 
-    torchrun --nproc-per-node 2 bench/collectives.py [--min-kib 4] [--max-mib 64] [--trials 9]
+    torchrun --nproc-per-node 2 bench/collectives.py [--min-kib 4] [--max-mib 64] [--trials 15]
 
 Both sides run in the same processes. "gloo" is a plain gloo group (``new_group(backend="gloo")``)
 moving CPU tensors: the ceiling for the neuron backend, which stages through host memory and hands
@@ -47,7 +47,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--min-kib", type=int, default=4)
     parser.add_argument("--max-mib", type=int, default=64)
-    parser.add_argument("--trials", type=int, default=9, help="timed pairs of trials per size")
+    parser.add_argument("--trials", type=int, default=15, help="timed pairs of trials per size")
     parser.add_argument("--ops", default="all_reduce,all_gather")
     parser.add_argument("--verbose", action="store_true", help="print each size as it is measured")
     args = parser.parse_args()
