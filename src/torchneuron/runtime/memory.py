@@ -49,7 +49,9 @@ class _DLManagedTensor(ctypes.Structure):
     pass
 
 
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+# The deleter receives the DLManagedTensor's address as a plain integer: no ctypes pointer
+# object to build and cast back on every free.
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
                              ("deleter", _DELETER)]
 
@@ -94,7 +96,7 @@ class _Allocator:
 
     def _on_free(self, managed_ptr) -> None:
         try:
-            _raw, data = self._live_structs.pop(ctypes.cast(managed_ptr, ctypes.c_void_p).value)
+            _raw, data = self._live_structs.pop(managed_ptr)
             record = self.records.pop(data)
             self.allocated[record.device_index] -= record.nbytes
             self.num_frees += 1
