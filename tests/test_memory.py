@@ -74,3 +74,18 @@ def test_reading_a_freed_storage_is_a_clear_error():
             (x + 1).cpu()
     finally:
         mem.allocator.records[rec_addr] = record
+
+
+def test_an_error_raised_while_a_neuron_temporary_dies_keeps_its_type():
+    # The failing op's only input is a temporary that dies while its error propagates. Freeing a
+    # storage then must not run Python with the exception pending: that used to replace the
+    # user's error with "SystemError: error return without exception set".
+    import warnings
+    x = torch.randn(3, 4, device="neuron")
+    before = torch.neuron.memory_allocated()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # JAX's cast warning becomes the error being unwound
+        with pytest.raises(RuntimeError, match="aten::_softmax"):
+            (-x).softmax(1, dtype=torch.int32)
+    gc.collect()
+    assert torch.neuron.memory_allocated() == before

@@ -4,16 +4,19 @@ A neuron tensor is a plain ``torch.Tensor`` whose storage comes from a DLPack ca
 ``device_type = kDLExtDev``: PyTorch sees a storage of the right size on ``neuron:<i>`` whose
 data pointer is a unique handle we choose (never dereferenced). The handle keys a table of
 ``StorageRecord``s holding the storage's contents as one flat ``jax.Array``; views share the
-storage and therefore the record. The capsule's deleter runs when PyTorch frees the storage, which
-is what makes ``memory_allocated()`` exact.
+storage and therefore the record. A weakref on the storage's Python object (which PyTorch keeps
+alive exactly as long as the storage) fires when PyTorch frees the storage, which is what makes
+``memory_allocated()`` exact.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import itertools
 import struct
 import threading
+import weakref
 
 import jax.numpy as jnp
 import numpy as np
@@ -49,11 +52,8 @@ class _DLManagedTensor(ctypes.Structure):
     pass
 
 
-# The deleter receives the DLManagedTensor's address as a plain integer: no ctypes pointer
-# object to build and cast back on every free.
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
-                             ("deleter", _DELETER)]
+                             ("deleter", ctypes.c_void_p)]
 
 # DLManagedTensor as packed bytes: data, device (type, id), ndim, dtype (code, bits, lanes),
 # shape*, strides*, byte_offset, manager_ctx, deleter — 64 bytes on 64-bit platforms.
@@ -79,13 +79,23 @@ class StorageRecord:
         self.buf = buf                   # flat jax.Array of ``numel`` elements, or None (never written)
 
 
+class _StorageWatch(weakref.ref):
+    """A weakref on a neuron storage's Python object that carries the storage's address and the
+    DLPack header PyTorch was handed (one object per storage: no closure, no tuple)."""
+
+    __slots__ = ("addr", "header")
+
+
 class _Allocator:
     # Handles live far above any user-space address so they never collide with CPU pointers.
     _BASE = 1 << 60
 
     def __init__(self):
         self.records: dict[int, StorageRecord] = {}
-        self._live_structs: dict[int, tuple] = {}
+        self._watches: dict[int, _StorageWatch] = {}   # storage address -> its watch
+        # Headers of freed storages, kept a while longer: PyTorch may still read a header while it
+        # tears the storage down, after the watch has fired.
+        self._retired = collections.deque(maxlen=4096)
         self._addresses = itertools.count()
         self._next = self._BASE
         self._lock = threading.Lock()
@@ -94,10 +104,12 @@ class _Allocator:
         self.num_allocs = 0
         self.num_frees = 0
 
-    def _on_free(self, managed_ptr) -> None:
+    def _on_free(self, watch: _StorageWatch) -> None:
+        """A storage is gone: drop its buffer and its bytes from the statistics."""
         try:
-            _raw, data = self._live_structs.pop(managed_ptr)
-            record = self.records.pop(data)
+            self._retired.append(watch.header)
+            del self._watches[watch.addr]
+            record = self.records.pop(watch.addr)
             self.allocated[record.device_index] -= record.nbytes
             self.num_frees += 1
             record.buf = None
@@ -129,11 +141,16 @@ class _Allocator:
         nd = len(dl_sizes)
         raw = ctypes.create_string_buffer(_HEADER + 16 * nd)
         base = ctypes.addressof(raw)
+        # No DLPack deleter (PyTorch accepts none): a ctypes callback into Python that runs while an
+        # exception propagates (a temporary freed during unwinding) turns that exception into a
+        # SystemError. PyTorch keeps a storage's Python object alive exactly as long as the storage,
+        # and weakref callbacks leave a pending exception intact, so a weakref watches it instead.
         struct.pack_into(_HEADER_FMT + f"{nd}q{nd}q", raw, 0, addr, _KDL_EXT_DEV, device_index, nd, code,
-                         bits, 1, base + _HEADER, base + _HEADER + 8 * nd, 0, 0, _DELETER_ADDRESS,
-                         *dl_sizes, *dl_strides)
-        self._live_structs[base] = (raw, addr)
+                         bits, 1, base + _HEADER, base + _HEADER + 8 * nd, 0, 0, 0, *dl_sizes, *dl_strides)
         tensor = _from_dlpack(_capsule_new(base, b"dltensor", None))
+        watch = _StorageWatch(tensor.untyped_storage(), self._on_free)
+        watch.addr, watch.header = addr, raw
+        self._watches[addr] = watch
         if flat:
             tensor = _AS_STRIDED(_CPU_KEYS, tensor, list(sizes), list(strides), 0)
         return tensor
@@ -145,16 +162,6 @@ _AS_STRIDED = torch.ops.aten.as_strided.default.redispatch
 
 
 allocator = _Allocator()
-
-
-@_DELETER
-def _deleter(managed_ptr):
-    allocator._on_free(managed_ptr)
-
-
-# The ctypes callback must outlive every storage, including those freed at interpreter exit.
-ctypes.pythonapi.Py_IncRef(ctypes.py_object(_deleter))
-_DELETER_ADDRESS = ctypes.cast(_deleter, ctypes.c_void_p).value
 
 
 def storage_address(t: torch.Tensor) -> int:
