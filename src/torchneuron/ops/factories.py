@@ -61,7 +61,11 @@ def _arange(start, end, step):
 
 
 @lowering("linspace.default", static_scalars=True)
-def linspace(start, end, steps, **_factory):
+def linspace(start, end, steps, **factory):
+    dtype = factory.get("dtype")
+    if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+        # ATen converts the ends to an integer result's type first (truncating -10.5 to -10).
+        start, end = int(start), int(end)
     if steps == 0:
         return jnp.zeros((0,), jnp.float64)
     if steps == 1:
