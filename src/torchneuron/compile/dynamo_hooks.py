@@ -1,6 +1,6 @@
 """What the neuron backend needs from Dynamo besides graphs.
 
-* torchneuron's own Python (eager kernels called by the dispatcher, the DLPack deleter, device
+* torchneuron's own Python (eager kernels called by the dispatcher, storage-lifetime callbacks, device
   hooks) must never be traced: between compiled graphs Dynamo's frame hook sees every Python frame,
   including kernels that ops run on neuron tensors call into. Their code objects are marked "skip,
   recursively", which costs nothing at call time.
