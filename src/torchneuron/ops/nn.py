@@ -503,16 +503,20 @@ def reduce_loss(loss, reduction):
     return loss
 
 
-def _nll(self, target, weight, reduction, ignore_index):
-    # class dim is 1 (or 0 for unbatched input)
-    cdim = 1 if self.ndim >= 2 else 0
+def _nll_targets(self, target, weight, ignore_index):
+    """(class dim, target classes with ignored ones at 0, per-target weight with ignored ones 0)."""
+    cdim = 1 if self.ndim >= 2 else 0   # 0 for unbatched input
     t = target.astype(jnp.int64)
     valid = t != ignore_index
     safe = jnp.where(valid, t, 0)
+    w = weight[safe] if weight is not None else jnp.ones(safe.shape, self.dtype)
+    return cdim, safe, jnp.where(valid, w, 0).astype(self.dtype)
+
+
+def _nll(self, target, weight, reduction, ignore_index):
+    cdim, safe, w = _nll_targets(self, target, weight, ignore_index)
     picked = jnp.take_along_axis(self, jnp.expand_dims(safe, cdim), axis=cdim).squeeze(cdim) if self.ndim >= 2 \
         else self[safe]
-    w = weight[safe] if weight is not None else jnp.ones(safe.shape, self.dtype)
-    w = jnp.where(valid, w, 0).astype(self.dtype)
     loss = -picked * w
     total_weight = jnp.sum(w)
     if reduction == 1:
@@ -532,13 +536,8 @@ def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index
     # -grad * weight at each target class, 0 elsewhere: a compare against the class index fuses
     # with the log-softmax backward that follows, where a scatter would materialise a zero
     # (batch x classes) tensor first.
-    cdim = 1 if self.ndim >= 2 else 0
-    t = target.astype(jnp.int64)
-    valid = t != ignore_index
-    safe = jnp.where(valid, t, 0)
-    w = weight[safe] if weight is not None else jnp.ones(safe.shape, self.dtype)
-    coef = -grad_output.astype(self.dtype).reshape(() if reduction else target.shape) * \
-        jnp.where(valid, w, 0).astype(self.dtype)
+    cdim, safe, w = _nll_targets(self, target, weight, ignore_index)
+    coef = -grad_output.astype(self.dtype).reshape(() if reduction else target.shape) * w
     if reduction == 1:
         coef = coef / total_weight.astype(self.dtype)
     classes = lax.broadcasted_iota(jnp.int64, self.shape, cdim)
