@@ -45,6 +45,10 @@ EXPECTATIONS: list[Expect] = [
              "meta kernel and CUDA declare; CPU returns them in bfloat16", dtypes=(torch.bfloat16,),
              checks=("forward",), match="dtype torch.float32 != torch.bfloat16")
       for op in ("native_layer_norm", "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update")],
+    Expect("_foreach_pow", "a bool tensor raised to a bool scalar: PyTorch's meta kernel for pow.Tensor_Scalar "
+           "declares an int64 result, CPU's kernel returns bool. Neuron takes result dtypes from the meta kernel, "
+           "so it returns int64 (values 0/1, equal to CPU's). Cast with .bool() where the dtype matters",
+           dtypes=(torch.bool,), checks=("forward",), match="dtype torch.int64 != torch.bool"),
     Expect("mode", "the index of a repeated mode value is implementation-defined: CPU's unstable sort of "
            "large inputs returns an arbitrary occurrence, neuron returns the last one (the values match)",
            checks=("forward",), match="out[1]"),

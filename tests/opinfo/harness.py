@@ -439,6 +439,16 @@ def _seeded(fn, seed):
     return fn()
 
 
+def _default_device(sample):
+    """A factory sample with no tensor and no device argument (``torch.arange(2)``) creates its result
+    on the default device: it runs with neuron as the default, as a user's ``with torch.device("neuron")``
+    block would."""
+    leaves = tree_flatten((sample.input, list(sample.args), dict(sample.kwargs)))[0]
+    if "device" in sample.kwargs or any(isinstance(v, torch.Tensor) for v in leaves):
+        return contextlib.nullcontext()
+    return torch.device(DEVICE)
+
+
 def run_forward(op, sample, dtype) -> tuple[str, str, tuple]:
     """(status, detail, fallback ops) of one forward sample."""
     name = name_of(op)
@@ -449,7 +459,7 @@ def run_forward(op, sample, dtype) -> tuple[str, str, tuple]:
         except Exception as err:  # the sample is not valid on CPU either
             return "cpu_error", _error(err), ()
         inp, args, kwargs = _move(sample, name=name)
-        with _FallbackWatch() as watch:
+        with _FallbackWatch() as watch, _default_device(sample):
             try:
                 actual = _seeded(lambda: op(inp, *args, **kwargs), 0)
                 actual = sample.output_process_fn_grad(actual)

@@ -794,7 +794,8 @@ def _apply(k, values, arrays, metas, out_meta, key):
             continue
         for pos, t in enumerate(m if isinstance(m, list | tuple) else (m,)):
             targets.append((i, pos, t))
-    mutated_vals, new_vals = call_lowering(k, arrays, promote, key, len(targets), len(new_meta))
+    mutated_vals, new_vals = call_lowering(k, arrays, promote, key, len(targets), len(new_meta),
+                                           k.input_contiguous(metas))
     outs = []
     for value, m in zip(new_vals, new_meta):
         if m is None:

@@ -207,6 +207,11 @@ class Kernel:
             k += 1
         return self.returned(outs, values)
 
+    def input_contiguous(self, values):
+        """Whether the lowering's ``contiguity_of`` argument (a tensor or its meta) is C-contiguous."""
+        name = self.lowering.contiguity_of
+        return None if name is None else bool(values[self.index_of[name]].is_contiguous())
+
     def returned(self, outs, values):
         """What the op returns: its new outputs, and the mutated inputs its schema aliases."""
         if self.returns_list:
@@ -451,6 +456,8 @@ class _Traced:
         self.writes = writes
         self.promote_dtype = promote_dtype
         self.nbufs = len(ctx.bufs)
+        # Part of the cache key already: the key holds every input's strides.
+        self.contiguous = kernel.input_contiguous(values)
 
     def __call__(self, *flat):
         k = self.kernel
@@ -471,7 +478,7 @@ class _Traced:
             seed, offset = runtime[-2], runtime[-1]
             key = jax.random.fold_in(jax.random.key(seed), offset)
         mutated_vals, new_vals = call_lowering(k, values, self.promote_dtype, key, len(self.write_targets),
-                                               len(self.out_specs))
+                                               len(self.out_specs), self.contiguous)
         outputs = []
         for value, spec in zip(new_vals, self.out_specs):
             if spec is None:
@@ -498,13 +505,14 @@ class _Traced:
         return tuple(outputs) + tuple(written)
 
 
-def call_lowering(k, values, promote, key, n_mut, n_new):
+def call_lowering(k, values, promote, key, n_mut, n_new, contiguous=None):
     """Run ``k``'s lowering on materialised arguments: the convention eager kernels and
     torch.compile graphs share.
 
     ``values`` holds the arguments in schema order (tensors as jax arrays) and is updated in place.
     Arguments named by the lowering's promotion are cast to ``promote`` (a torch dtype or None);
-    ``key`` is the PRNG key of a random lowering. Returns (new values of the ``n_mut`` mutated
+    ``key`` is the PRNG key of a random lowering; ``contiguous`` whether the lowering's
+    ``contiguity_of`` argument is C-contiguous. Returns (new values of the ``n_mut`` mutated
     tensors, the ``n_new`` new outputs) -- a lowering returns the mutated arguments first.
     """
     if promote is not None:
@@ -521,6 +529,8 @@ def call_lowering(k, values, promote, key, n_mut, n_new):
     kw = {}
     if k.lowering.random:
         kw["key"] = key
+    if k.lowering.contiguity_of is not None:
+        kw["contiguous"] = contiguous
     if k.lowering.overwrites:
         for i in k.mutated:
             if isinstance(values[i], jax.Array):

@@ -63,19 +63,36 @@ def div(self, other):
 def div_mode(self, other, *, rounding_mode=None):
     if rounding_mode is None:
         return self / other
+    if rounding_mode == "floor":
+        return floor_divide(self, other)
     if _is_int(self):
-        if rounding_mode == "floor":
-            return jnp.floor_divide(self, other)
-        return lax.div(self, other)
-    q = self / other
-    return jnp.floor(q) if rounding_mode == "floor" else jnp.trunc(q)
+        a, b = jnp.broadcast_arrays(self, jnp.asarray(other, jnp.result_type(self)))
+        return lax.div(a, b)   # C's truncating integer division
+    dtype = jnp.result_type(self)
+    compute = compute_dtype(dtype)
+    return jnp.trunc(jnp.asarray(self, compute) / jnp.asarray(other, compute)).astype(dtype)
 
 
 @lowering("floor_divide.default", "floor_divide.Scalar", promote="result", promote_args=("self", "other"))
 def floor_divide(self, other):
     if _is_int(self):
         return jnp.floor_divide(self, other)
-    return jnp.floor(self / other)
+    dtype = jnp.result_type(self)
+    return _div_floor_float(jnp.asarray(self).astype(compute_dtype(dtype)),
+                            jnp.asarray(other).astype(compute_dtype(dtype))).astype(dtype)
+
+
+def _div_floor_float(a, b):
+    """ATen's div_floor_floating: the quotient of a - fmod(a, b), so a quotient that rounds up to an
+    integer (1 / 0.1 -> 10.000000000000002) still floors to 9; division by zero gives IEEE inf/nan,
+    and a zero quotient keeps the sign of a / b."""
+    mod = jnp.fmod(a, b)
+    div = (a - mod) / b
+    div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
+    floordiv = jnp.floor(div)
+    floordiv = jnp.where(div - floordiv > 0.5, floordiv + 1, floordiv)
+    floordiv = jnp.where(div == 0, jnp.copysign(jnp.zeros_like(div), a / b), floordiv)
+    return jnp.where(b == 0, a / b, floordiv)
 
 
 @lowering("remainder.Tensor", "remainder.Scalar", "remainder.Scalar_Tensor", promote="result",

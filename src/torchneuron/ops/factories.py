@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 
 from .numerics import compute_dtype
 from .registry import lowering
@@ -38,32 +41,44 @@ def lift_fresh_copy(self):
 
 
 @lowering("arange.default", static_scalars=True)
-def arange_end(end, **_factory):
-    return _arange(0, end, 1)
+def arange_end(end, **factory):
+    return _arange(0, end, 1, factory.get("dtype"))
 
 
 @lowering("arange.start", static_scalars=True)
-def arange_start(start, end, **_factory):
-    return _arange(start, end, 1)
+def arange_start(start, end, **factory):
+    return _arange(start, end, 1, factory.get("dtype"))
 
 
 @lowering("arange.start_step", static_scalars=True)
-def arange(start, end, step=1, **_factory):
-    return _arange(start, end, step)
+def arange(start, end, step=1, **factory):
+    return _arange(start, end, step, factory.get("dtype"))
 
 
-def _arange(start, end, step):
-    # Computed as start + i * step in double precision, like PyTorch, then cast by the caller.
-    n = max(int(np.ceil((end - start) / step)), 0)
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end, step)):
-        return start + jnp.arange(n, dtype=jnp.int64) * step
+def _is_integral(dtype) -> bool:
+    return dtype is not None and not (dtype.is_floating_point or dtype.is_complex)
+
+
+def _arange(start, end, step, dtype=None):
+    """ATen's arange: start + i * step in its accumulate type (double for floating results, int64
+    for integer ones, whose start and step are truncated first), then cast by the caller."""
+    if _is_integral(dtype) or (dtype is None and all(isinstance(v, int) for v in (start, end, step))):
+        istart, iend, istep = int(start), int(end), int(step)
+        if dtype is None or dtype == torch.int64:
+            # int64 sizes its result in integer arithmetic: C's truncating division.
+            sign = (istep > 0) - (istep < 0)
+            n = abs(iend - istart + istep - sign) // abs(istep)
+            n = n if (iend - istart + istep - sign) * istep >= 0 else 0
+        else:
+            n = max(math.ceil((end - start) / step), 0)
+        return istart + jnp.arange(max(n, 0), dtype=jnp.int64) * istep
+    n = max(math.ceil((end - start) / step), 0)
     return start + jnp.arange(n, dtype=jnp.float64) * step
 
 
 @lowering("linspace.default", static_scalars=True)
 def linspace(start, end, steps, **factory):
-    dtype = factory.get("dtype")
-    if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+    if _is_integral(factory.get("dtype")):
         # ATen converts the ends to an integer result's type first (truncating -10.5 to -10).
         start, end = int(start), int(end)
     if steps == 0:

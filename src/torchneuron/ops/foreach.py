@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import registry
+from .numerics import compute_dtype
 from .registry import lowering
 
 
@@ -117,7 +118,8 @@ def _register_pointwise(name, single):
         out = []
         for x, a, b, v in zip(self, tensor1, tensor2, _each(self, values)):
             dt = jnp.result_type(x, a, b)
-            out.append(fn(x.astype(dt), a.astype(dt), b.astype(dt), value=jnp.asarray(v).astype(dt)))
+            # The scalar stays in the compute dtype: ATen does not round it to a half-precision list.
+            out.append(fn(x.astype(dt), a.astype(dt), b.astype(dt), value=jnp.asarray(v).astype(compute_dtype(dt))))
         return out
 
     @lowering(f"_foreach_{name}.Scalar")
@@ -142,7 +144,7 @@ def _lerp(self, end, weights):
     out = []
     for x, e, w in zip(self, end, weights):
         dt = jnp.result_type(x, e)
-        out.append(lerp(x.astype(dt), e.astype(dt), jnp.asarray(w).astype(dt)))
+        out.append(lerp(x.astype(dt), e.astype(dt), jnp.asarray(w).astype(compute_dtype(dt))))
     return out
 
 

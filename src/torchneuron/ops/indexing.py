@@ -49,8 +49,10 @@ def _gather_like(self, dim, index):
 
 @lowering("gather.default")
 def gather(self, dim, index, *, sparse_grad=False):
+    if index.size == 0:   # ATen checks nothing about an empty index (not even its rank)
+        return jnp.zeros(index.shape, self.dtype)
     if self.ndim == 0:
-        return self.reshape(index.shape) if index.size else jnp.zeros(index.shape, self.dtype)
+        return self.reshape(index.shape)
     dim = dim % self.ndim
     return jnp.take_along_axis(_gather_like(self, dim, index), _wrap(index, self.shape[dim]), axis=dim)
 
@@ -78,7 +80,10 @@ def scatter(self, dim, index, src=None, value=None):
 
 @lowering("scatter.reduce", "scatter.value_reduce", promote="result", promote_args=("self", "src", "value"))
 def scatter_reduce_legacy(self, dim, index, src=None, value=None, *, reduce):
-    dim = dim % max(self.ndim, 1)
+    if self.ndim == 0:
+        src = None if src is None else src.reshape(-1)
+        return scatter_reduce_legacy(self.reshape(1), 0, index.reshape(-1), src, value, reduce=reduce).reshape(())
+    dim = dim % self.ndim
     vals = _src_like(src if src is not None else value, index)
     at = self.at[_scatter_index(index, dim, self.shape[dim])]
     return _add_at(at, vals) if reduce == "add" else at.multiply(vals)
@@ -86,6 +91,8 @@ def scatter_reduce_legacy(self, dim, index, src=None, value=None, *, reduce):
 
 @lowering("scatter_add.default", promote="result", promote_args=("self", "src"))
 def scatter_add(self, dim, index, src):
+    if index.size == 0:   # nothing to add; ATen checks nothing about an empty index
+        return self
     if self.ndim == 0:
         return self + src.reshape(()) if index.size else self
     dim = dim % self.ndim
@@ -142,10 +149,11 @@ def _dim_index(ndim, dim, index):
 
 @lowering("index_add.default", promote="result", promote_args=("self", "source"))
 def index_add(self, dim, index, source, *, alpha=1):
+    scaled = jnp.logical_and(source, alpha) if self.dtype == jnp.bool_ else source * alpha
     if self.ndim == 0:
-        return self + jnp.sum(source) * alpha
+        return _add_at(self.reshape(1).at[0], jnp.sum(scaled, dtype=self.dtype)).reshape(())
     dim = dim % self.ndim
-    return self.at[_dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))].add(source * alpha)
+    return _add_at(self.at[_dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))], scaled)
 
 
 @lowering("index_copy.default", promote="result", promote_args=("self", "source"))
@@ -171,9 +179,12 @@ def masked_fill(self, mask, value):
 
 @lowering("masked_scatter.default", promote="result", promote_args=("self", "source"))
 def masked_scatter(self, mask, source):
+    # The out-of-place op broadcasts self and mask against each other (ATen's expand_outplace).
+    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    self = jnp.broadcast_to(self, shape)
     if source.size == 0:   # nothing to scatter (PyTorch requires the mask to select nothing)
         return self
-    mask = jnp.broadcast_to(mask, self.shape).reshape(-1)
+    mask = jnp.broadcast_to(mask, shape).reshape(-1)
     positions = jnp.cumsum(mask.astype(jnp.int64)) - 1
     picked = source.reshape(-1)[jnp.clip(positions, 0, max(source.size - 1, 0))]
     return jnp.where(mask, picked, self.reshape(-1)).reshape(self.shape)
@@ -289,9 +300,10 @@ def _embedding_bag(weight, indices, offsets, mode, per_sample_weights, include_l
         max_idx = jnp.where(counts[:, None] > 0, indices[jnp.clip(first, 0, max(indices.shape[0] - 1, 0))], 0)
         out = jnp.where(counts[:, None] > 0, out, 0)
         return out, bag, counts, max_idx.astype(jnp.int64)
-    if per_sample_weights is not None:
-        rows = rows * per_sample_weights[:, None]
     acc = compute_dtype(weight.dtype)
+    rows = rows.astype(acc)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None].astype(acc)
     out = jnp.zeros((num_bags, dim), acc).at[bag].add(jnp.where(keep[:, None], rows, 0).astype(acc))
     if mode == _MEAN:
         out = out / jnp.maximum(counts, 1)[:, None].astype(acc)

@@ -79,7 +79,8 @@ def addbmm(self, batch1, batch2, *, beta=1, alpha=1):
 
 @lowering("addr.default", promote="common", promote_args=("self", "vec1", "vec2"))
 def addr(self, vec1, vec2, *, beta=1, alpha=1):
-    return _scaled_sum(self, jnp.outer(vec1, vec2), beta, alpha)
+    acc = compute_dtype(vec1.dtype)   # the outer product is not rounded to half precision first
+    return _scaled_sum(self, jnp.outer(vec1.astype(acc), vec2.astype(acc)), beta, alpha)
 
 
 @lowering("_addmm_activation.default", promote="common", promote_args=("self", "mat1", "mat2"))
@@ -222,7 +223,11 @@ def linalg_inv_ex(A, *, check_errors=False):
     return _lu_solve(lu, perm, eye), info
 
 
-def _det_parts(A):
+def _det_parts(A, contiguous):
+    # ATen factors A^T when A is real and C-contiguous (LAPACK wants column-major; det(A^T) = det(A)),
+    # and its backward solves with the returned LU accordingly: the factorisation must be the same.
+    if contiguous and not jnp.iscomplexobj(A):
+        A = jnp.swapaxes(A, -1, -2)
     lu, pivots, perm, _ = _lu(A)
     diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
     swaps = jnp.sum(pivots != jnp.arange(1, pivots.shape[-1] + 1, dtype=jnp.int32), axis=-1)
@@ -230,15 +235,15 @@ def _det_parts(A):
     return lu, pivots, diag, parity
 
 
-@lowering("_linalg_det.default")
-def linalg_det(A):
-    lu, pivots, diag, parity = _det_parts(A)
+@lowering("_linalg_det.default", contiguity_of="A")
+def linalg_det(A, *, contiguous):
+    lu, pivots, diag, parity = _det_parts(A, contiguous)
     return parity * jnp.prod(diag, axis=-1), lu, pivots
 
 
-@lowering("_linalg_slogdet.default")
-def linalg_slogdet(A):
-    lu, pivots, diag, parity = _det_parts(A)
+@lowering("_linalg_slogdet.default", contiguity_of="A")
+def linalg_slogdet(A, *, contiguous):
+    lu, pivots, diag, parity = _det_parts(A, contiguous)
     absdiag = jnp.abs(diag)
     if jnp.iscomplexobj(A):
         phase = jnp.prod(jnp.where(absdiag == 0, 0, diag / jnp.where(absdiag == 0, 1, absdiag)), axis=-1)

@@ -12,6 +12,7 @@ import numpy as np
 from jax import lax
 
 from .numerics import compute_dtype, lowest
+from .reductions import dims
 from .registry import lowering
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -30,10 +31,12 @@ def _conv(input, weight, bias, stride, padding, dilation, transposed, output_pad
                                     (weight.shape[1] * groups, weight.shape[0] // groups) + weight.shape[2:],
                                     ("NC" + spatial, "OI" + spatial, "NC" + spatial))
     stride, padding, dilation = _expand(stride, nd), _expand(padding, nd), _expand(dilation, nd)
+    acc = _acc(input)   # half precision accumulates in float32 and rounds once
     if not transposed:
         out = lax.conv_general_dilated(
             input, weight, window_strides=stride, padding=[(p, p) for p in padding],
-            rhs_dilation=dilation, dimension_numbers=dn, feature_group_count=groups, precision=_HIGHEST)
+            rhs_dilation=dilation, dimension_numbers=dn, feature_group_count=groups, precision=_HIGHEST,
+            preferred_element_type=acc)
     else:
         output_padding = _expand(output_padding, nd)
         cin, cout_g = weight.shape[0], weight.shape[1]
@@ -45,10 +48,11 @@ def _conv(input, weight, bias, stride, padding, dilation, transposed, output_pad
                 for kk, p, d, op in zip(k, padding, dilation, output_padding)]
         out = lax.conv_general_dilated(
             input, w, window_strides=(1,) * nd, padding=pads, lhs_dilation=stride,
-            rhs_dilation=dilation, dimension_numbers=dn, feature_group_count=groups, precision=_HIGHEST)
+            rhs_dilation=dilation, dimension_numbers=dn, feature_group_count=groups, precision=_HIGHEST,
+            preferred_element_type=acc)
     if bias is not None:
-        out = out + bias.reshape((1, -1) + (1,) * nd)
-    return out
+        out = out + bias.reshape((1, -1) + (1,) * nd).astype(acc)
+    return out.astype(input.dtype)
 
 
 def _expand(v, n):
@@ -122,7 +126,7 @@ def _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, nd):
     lead = x.shape[:2]
     in_sizes = x.shape[2:]
     out_sizes, flat, valid = _flat_windows(in_sizes, kernel, stride, padding, dilation, ceil_mode)
-    xf = x.reshape(lead + (-1,))
+    xf = _flatten_from(x, 2)
     vals = xf[..., flat]                                   # (N, C, *out, K)
     low = lowest(x.dtype)
     vals = jnp.where(valid, vals, low)
@@ -149,13 +153,19 @@ def max_pool3d_with_indices(self, kernel_size, stride=(), padding=(0,), dilation
     return _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, 3)
 
 
+def _flatten_from(x, dim):
+    """``x`` with the dims from ``dim`` on merged into one (sized explicitly: a zero-sized batch
+    leaves reshape nothing to infer a -1 from)."""
+    return x.reshape(x.shape[:dim] + (int(np.prod(x.shape[dim:])),))
+
+
 def scatter_to_indices(grad_output, self, indices, nd):
     """Backward of every pooling op that returns flat window indices (max, adaptive, fractional):
     each gradient element is added at the input position its index names."""
     lead = self.shape[:-nd]
     n = int(np.prod(self.shape[-nd:]))
-    g = grad_output.reshape(lead + (-1,))
-    idx = indices.reshape(lead + (-1,))
+    g = _flatten_from(grad_output, len(lead))
+    idx = _flatten_from(indices, len(lead))
     zeros = jnp.zeros(lead + (n,), grad_output.dtype)
     lead_idx = jnp.indices(idx.shape, sparse=True)[:-1]
     return zeros.at[tuple(lead_idx) + (idx,)].add(g).reshape(self.shape)
@@ -182,7 +192,7 @@ def _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, 
     in_sizes = x.shape[2:]
     out_sizes, flat, valid = _flat_windows(in_sizes, kernel, stride, padding, (1,) * nd, ceil_mode)
     acc = _acc(x)
-    xf = x.reshape(x.shape[:2] + (-1,)).astype(acc)
+    xf = _flatten_from(x, 2).astype(acc)
     total = jnp.sum(jnp.where(valid, xf[..., flat], 0), axis=-1)
     if divisor_override:
         divisor = np.float64(divisor_override)
@@ -384,7 +394,8 @@ def native_batch_norm_legit_no_training(input, weight, bias, running_mean, runni
 def native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
     if training:
         out, mean, invstd, rm, rv = _bn_train(input, weight, bias, running_mean, running_var, momentum, eps)
-        return rm, rv, out, mean, invstd
+        # Running statistics are optional here: only those given are written back.
+        return tuple(v for v in (rm, rv) if v is not None) + (out, mean, invstd)
     return (running_mean, running_var) + _bn_eval_saving_stats(input, weight, bias, running_mean, running_var, eps)
 
 
@@ -436,7 +447,7 @@ def batch_norm_backward(grad_out, input, weight, running_mean, running_var, save
 
 @lowering("native_group_norm.default")
 def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
-    x = input.reshape(N, group, -1).astype(_acc(input))
+    x = input.reshape(N, group, C // group * HxW).astype(_acc(input))   # explicit: N may be 0
     mean = jnp.mean(x, axis=-1)
     var = jnp.mean(jnp.square(x - mean[..., None]), axis=-1)
     rstd = lax.rsqrt(var + eps)
@@ -453,10 +464,10 @@ def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
 def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
     acc = _acc(input)
     shape = (1, C) + (1,) * (input.ndim - 2)
-    x = input.reshape(N, group, -1).astype(acc)
+    x = input.reshape(N, group, C // group * HxW).astype(acc)
     xhat = (x - mean[..., None]) * rstd[..., None]
     w = weight.astype(acc) if weight is not None else jnp.ones((C,), acc)
-    g = (grad_out.astype(acc) * w.reshape(shape)).reshape(N, group, -1)
+    g = (grad_out.astype(acc) * w.reshape(shape)).reshape(x.shape)
     gx = rstd[..., None] * (g - jnp.mean(g, axis=-1, keepdims=True)
                             - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
     reduce_axes = (0,) + tuple(range(2, input.ndim))
@@ -469,13 +480,13 @@ def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, g
 # -- softmax ------------------------------------------------------------------------------------
 @lowering("_softmax.default")
 def softmax(self, dim, half_to_float):
-    out = jax.nn.softmax(self.astype(_acc(self)), axis=dim)
+    out = jax.nn.softmax(self.astype(_acc(self)), axis=dims(dim, self.ndim))
     return out if half_to_float else out.astype(self.dtype)
 
 
 @lowering("_log_softmax.default")
 def log_softmax(self, dim, half_to_float):
-    out = jax.nn.log_softmax(self.astype(_acc(self)), axis=dim)
+    out = jax.nn.log_softmax(self.astype(_acc(self)), axis=dims(dim, self.ndim))
     return out if half_to_float else out.astype(self.dtype)
 
 
@@ -483,14 +494,14 @@ def log_softmax(self, dim, half_to_float):
 def softmax_backward_data(grad_output, output, dim, input_dtype):
     g = grad_output.astype(_acc(output))
     o = output.astype(_acc(output))
-    return o * (g - jnp.sum(g * o, axis=dim, keepdims=True))
+    return o * (g - jnp.sum(g * o, axis=dims(dim, o.ndim), keepdims=True))
 
 
 @lowering("_log_softmax_backward_data.default")
 def log_softmax_backward_data(grad_output, output, dim, input_dtype):
     g = grad_output.astype(_acc(output))
     o = output.astype(_acc(output))
-    return g - jnp.exp(o) * jnp.sum(g, axis=dim, keepdims=True)
+    return g - jnp.exp(o) * jnp.sum(g, axis=dims(dim, o.ndim), keepdims=True)
 
 
 # -- losses -------------------------------------------------------------------------------------
@@ -618,6 +629,11 @@ def binary_cross_entropy_backward(grad_output, self, target, weight=None, reduct
 @lowering("binary_cross_entropy_with_logits.default", promote="result",
           promote_args=("self", "target", "weight", "pos_weight"))
 def bce_with_logits(self, target, weight=None, pos_weight=None, reduction=1):
+    # Half precision computes in float32 and rounds once (the kernel casts the result).
+    acc = _acc(self)
+    self, target = self.astype(acc), target.astype(acc)
+    weight = None if weight is None else weight.astype(acc)
+    pos_weight = None if pos_weight is None else pos_weight.astype(acc)
     log_sig = jax.nn.log_sigmoid(self)
     log_sig_neg = jax.nn.log_sigmoid(-self)
     if pos_weight is not None:

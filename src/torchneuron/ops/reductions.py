@@ -22,58 +22,57 @@ def dims(dim, ndim) -> tuple[int, ...]:
     return tuple(sorted(d % max(ndim, 1) for d in dim)) if ndim else ()
 
 
-def _accumulate_dtype(x, dtype=None):
-    """The dtype PyTorch sums in: ints and bool in int64, half types in float32."""
+def _accumulate(x, dtype=None):
+    """``x`` in the dtype PyTorch accumulates it in: ints and bool in int64, half types in float32.
+    A ``dtype=`` argument converts the input first (so its rounding is ATen's) and is accumulated
+    the same way; the kernel casts the result to the op's output dtype."""
     if dtype is not None:
         from ..runtime.dtypes import jax_dtype
-        return jax_dtype(dtype)
+        x = x.astype(jax_dtype(dtype))
     dt = x.dtype
     if dt == jnp.bool_ or jnp.issubdtype(dt, jnp.integer):
-        return jnp.int64
-    if dt in (jnp.float16, jnp.bfloat16):
-        return jnp.float32
-    return dt
+        return x.astype(jnp.int64)
+    return x.astype(compute_dtype(dt))
 
 
 @lowering("sum.dim_IntList")
 def sum_dim(self, dim, keepdim=False, *, dtype=None):
-    return jnp.sum(self.astype(_accumulate_dtype(self, dtype)), axis=dims(dim, self.ndim), keepdims=keepdim)
+    return jnp.sum(_accumulate(self, dtype), axis=dims(dim, self.ndim), keepdims=keepdim)
 
 
 @lowering("sum.default")
 def sum_all(self, *, dtype=None):
-    return jnp.sum(self.astype(_accumulate_dtype(self, dtype)))
+    return jnp.sum(_accumulate(self, dtype))
 
 
 @lowering("nansum.default")
 def nansum(self, dim=None, keepdim=False, *, dtype=None):
-    return jnp.nansum(self.astype(_accumulate_dtype(self, dtype)), axis=dims(dim, self.ndim), keepdims=keepdim)
+    return jnp.nansum(_accumulate(self, dtype), axis=dims(dim, self.ndim), keepdims=keepdim)
 
 
 @lowering("mean.dim")
 def mean_dim(self, dim, keepdim=False, *, dtype=None):
-    acc = _accumulate_dtype(self, dtype)
-    return jnp.mean(self.astype(acc), axis=dims(dim, self.ndim), keepdims=keepdim)
+    return jnp.mean(_accumulate(self, dtype), axis=dims(dim, self.ndim), keepdims=keepdim)
 
 
 @lowering("mean.default")
 def mean_all(self, *, dtype=None):
-    return jnp.mean(self.astype(_accumulate_dtype(self, dtype)))
+    return jnp.mean(_accumulate(self, dtype))
 
 
 @lowering("nanmean.default")
 def nanmean(self, dim=None, keepdim=False, *, dtype=None):
-    return jnp.nanmean(self.astype(_accumulate_dtype(self, dtype)), axis=dims(dim, self.ndim), keepdims=keepdim)
+    return jnp.nanmean(_accumulate(self, dtype), axis=dims(dim, self.ndim), keepdims=keepdim)
 
 
 @lowering("prod.dim_int")
 def prod_dim(self, dim, keepdim=False, *, dtype=None):
-    return jnp.prod(self.astype(_accumulate_dtype(self, dtype)), axis=dim, keepdims=keepdim)
+    return jnp.prod(_accumulate(self, dtype), axis=dims(dim, self.ndim), keepdims=keepdim)
 
 
 @lowering("prod.default")
 def prod_all(self, *, dtype=None):
-    return jnp.prod(self.astype(_accumulate_dtype(self, dtype)))
+    return jnp.prod(_accumulate(self, dtype))
 
 
 @lowering("amax.default")
@@ -88,7 +87,7 @@ def amin(self, dim=(), keepdim=False):
 
 @lowering("aminmax.default")
 def aminmax(self, *, dim=None, keepdim=False):
-    axis = None if dim is None else dim
+    axis = None if dim is None else dims(dim, self.ndim)
     return jnp.min(self, axis=axis, keepdims=keepdim), jnp.max(self, axis=axis, keepdims=keepdim)
 
 
@@ -228,7 +227,7 @@ def logsumexp(self, dim, keepdim=False):
 @lowering("linalg_vector_norm.default", static_scalars=True)
 def vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
     # ord picks the algorithm, so it is compiled in (static_scalars), not a runtime input.
-    x = self.astype(_accumulate_dtype(self, dtype)) if dtype is not None else self
+    x = _accumulate(self, dtype) if dtype is not None else self
     x = jnp.abs(x)
     if x.dtype in (jnp.float16, jnp.bfloat16):
         x = x.astype(jnp.float32)
@@ -248,13 +247,13 @@ def vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
 
 @lowering("cumsum.default")
 def cumsum(self, dim, *, dtype=None):
-    x = self.astype(_accumulate_dtype(self, dtype))
+    x = _accumulate(self, dtype)
     return jnp.cumsum(x, axis=dim) if self.ndim else x
 
 
 @lowering("cumprod.default")
 def cumprod(self, dim, *, dtype=None):
-    x = self.astype(_accumulate_dtype(self, dtype))
+    x = _accumulate(self, dtype)
     return jnp.cumprod(x, axis=dim) if self.ndim else x
 
 
@@ -625,7 +624,9 @@ def _lengths(lengths, offsets):
 
 @lowering("segment_reduce.default", static_scalars=True)
 def segment_reduce(data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False, initial=None):
-    return _segment_reduce(data, reduce, _lengths(lengths, offsets), axis, initial)
+    # Half precision accumulates in float32 and rounds once, as ATen's CPU kernel does.
+    out = _segment_reduce(data.astype(compute_dtype(data.dtype)), reduce, _lengths(lengths, offsets), axis, initial)
+    return out.astype(data.dtype)
 
 
 def _segment_prod_dense(data, lengths, axis, initial):

@@ -41,6 +41,9 @@ class Lowering:
     # Output shapes/dtypes come from tracing the lowering, not the op's meta kernel (for meta
     # kernels stricter than the CPU kernel, e.g. _grouped_mm's CUDA-only bfloat16 check).
     shape_from_lowering: bool = False
+    # An argument whose memory layout picks ATen's algorithm (``_linalg_det`` factors A^T when A is
+    # C-contiguous, and its backward relies on that): the lowering receives ``contiguous=`` (bool).
+    contiguity_of: str | None = None
 
 
 LOWERINGS: dict[str, Lowering] = {}
@@ -48,13 +51,14 @@ LOWERINGS: dict[str, Lowering] = {}
 
 def lowering(*names: str, promote: str | None = None, promote_args=None, static_scalars=False,
              random=False, overwrites=False, derive_variants=True, mutates=(), graph_only=False,
-             platforms=None, shape_from_lowering=False):
+             platforms=None, shape_from_lowering=False, contiguity_of=None):
     """Register ``fn`` as the lowering of each ATen overload in ``names`` ("add.Tensor")."""
     def register(fn):
         for name in names:
             add(Lowering(name, fn, promote, tuple(promote_args) if promote_args else None,
                          static_scalars, random, overwrites, derive_variants, tuple(mutates),
-                         graph_only, tuple(platforms) if platforms else None, shape_from_lowering))
+                         graph_only, tuple(platforms) if platforms else None, shape_from_lowering,
+                         contiguity_of))
         return fn
     return register
 

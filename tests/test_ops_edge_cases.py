@@ -1,0 +1,165 @@
+"""Corner cases the complete OpInfo sweep found, each checked against CPU PyTorch.
+
+The sweep (``python -m torchneuron.tools.coverage``) covers them too, but only in its full run; these
+are the regressions in a form CI runs every time.
+"""
+
+import pytest
+import torch
+
+import torchneuron  # noqa: F401
+
+DEV = "neuron"
+
+
+def same(cpu, neuron, **tol):
+    torch.testing.assert_close(neuron.cpu(), cpu, **tol)
+
+
+# -- determinants: ATen factors A^T for a C-contiguous A, and the backward relies on it ----------
+@pytest.mark.parametrize("layout", ["contiguous", "column-major", "batched"])
+@pytest.mark.parametrize("fn", [torch.linalg.det, lambda a: torch.linalg.slogdet(a)[1], torch.logdet])
+def test_determinant_gradients_match_cpu_for_every_layout(layout, fn):
+    torch.manual_seed(0)
+    a = torch.randn(3, 5, 5) if layout == "batched" else torch.randn(5, 5)
+    a = a @ a.mT + torch.eye(5)   # positive determinant, so logdet is finite
+    if layout == "column-major":
+        a = a.mT.contiguous().mT
+    x = a.clone().requires_grad_()
+    fn(x).sum().backward()
+    y = a.to(DEV).requires_grad_()
+    fn(y).sum().backward()
+    same(x.grad, y.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_determinant_gradient_matches_cpu():
+    torch.manual_seed(1)
+    a = torch.randn(4, 4)
+    x = a.clone().requires_grad_()
+    torch.linalg.det(x).backward()
+    y = a.to(DEV).requires_grad_()
+    torch.compile(torch.linalg.det, backend="neuron")(y).backward()
+    same(x.grad, y.grad, atol=1e-5, rtol=1e-4)
+
+
+# -- 0-d tensors with a dim argument -------------------------------------------------------------
+@pytest.mark.parametrize("op", [
+    lambda t: torch.softmax(t, 0), lambda t: torch.log_softmax(t, 0), lambda t: torch.prod(t, 0),
+    lambda t: torch.prod(t, 0, keepdim=True), lambda t: torch.aminmax(t, dim=0)[1],
+    lambda t: torch.softmax(t, 0, dtype=torch.float32),
+])
+def test_zero_dim_reductions_over_dim_0(op):
+    t = torch.tensor(1.5)
+    same(op(t), op(t.to(DEV)))
+
+
+@pytest.mark.filterwarnings("ignore:The reduce argument")
+def test_legacy_scatter_reduce_on_a_zero_dim_tensor():
+    t, idx = torch.tensor(2.0), torch.tensor(0)
+    for reduce in ("add", "multiply"):
+        same(t.scatter(0, idx, torch.tensor(3.0), reduce=reduce),
+             t.to(DEV).scatter(0, idx.to(DEV), torch.tensor(3.0).to(DEV), reduce=reduce))
+        same(t.scatter(0, idx, 2.5, reduce=reduce), t.to(DEV).scatter(0, idx.to(DEV), 2.5, reduce=reduce))
+
+
+# -- empty batches -------------------------------------------------------------------------------
+@pytest.mark.parametrize("op", [
+    lambda t: torch.nn.functional.group_norm(t, 2),
+    lambda t: torch.nn.functional.avg_pool2d(t, (1, 2)),
+    lambda t: torch.nn.functional.max_pool2d(t, (1, 2)),
+])
+def test_ops_on_an_empty_batch_keep_their_shape(op):
+    t = torch.randn(0, 4, 3, 6)
+    out = op(t.to(DEV))
+    assert out.device.type == DEV and out.shape == op(t).shape
+
+
+def test_gather_and_scatter_add_with_an_empty_index_of_another_rank():
+    src = torch.randn(5)
+    idx = torch.zeros(2, 0, dtype=torch.int64)
+    same(torch.gather(src, 0, idx), torch.gather(src.to(DEV), 0, idx.to(DEV)))
+    x = src.clone().requires_grad_()
+    torch.gather(x, 0, idx).sum().backward()
+    y = src.to(DEV).requires_grad_()
+    torch.gather(y, 0, idx.to(DEV)).sum().backward()
+    same(x.grad, y.grad)
+
+
+# -- broadcasting and dtypes ---------------------------------------------------------------------
+def test_masked_scatter_broadcasts_self_to_the_mask():
+    torch.manual_seed(2)
+    t, mask, src = torch.randn(5), torch.rand(5, 5) > 0.5, torch.randn(5, 5)
+    same(torch.masked_scatter(t, mask, src), torch.masked_scatter(t.to(DEV), mask.to(DEV), src.to(DEV)))
+
+
+def test_integer_trunc_division_broadcasts():
+    a, b = torch.randint(-20, 20, (5, 1)), torch.randint(1, 5, (5,))
+    same(torch.div(a, b, rounding_mode="trunc"), torch.div(a.to(DEV), b.to(DEV), rounding_mode="trunc"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_floor_division_follows_aten(dtype):
+    torch.manual_seed(3)
+    a, b = torch.randn(2000, dtype=dtype) * 50, torch.randn(2000, dtype=dtype)
+    a[:3] = torch.tensor([1.0, -1.0, 0.0], dtype=dtype)
+    b[:3] = torch.tensor([0.1, 0.0, -3.0], dtype=dtype)   # 1 // 0.1 is 9; -1 // 0 is -inf; -0.0
+    exact = torch.floor_divide(a.double(), b.double()).to(dtype)
+    for mode in ("floor", "trunc"):
+        n = torch.div(a.to(DEV), b.to(DEV), rounding_mode=mode).cpu()
+        ref = torch.div(a.double(), b.double(), rounding_mode=mode).to(dtype)
+        # bfloat16: the quotient is computed in float32 and rounded once (CPU rounds it to
+        # bfloat16 before flooring, which can be off by one); float32 matches CPU exactly.
+        same(torch.div(a, b, rounding_mode=mode) if dtype == torch.float32 else ref, n, equal_nan=True)
+    same(exact, torch.floor_divide(a.to(DEV), b.to(DEV)), equal_nan=True)
+    assert torch.floor_divide(a.to(DEV), b.to(DEV)).cpu()[2].signbit()
+
+
+def test_index_add_on_bool_is_a_logical_or():
+    t = torch.tensor([[True, False], [False, False]])
+    src = torch.tensor([[False, True], [True, False]])
+    idx = torch.tensor([1, 0])
+    for alpha in (True, False):
+        same(t.index_add(0, idx, src, alpha=alpha), t.to(DEV).index_add(0, idx.to(DEV), src.to(DEV), alpha=alpha))
+
+
+@pytest.mark.parametrize("args", [(0.0, -8.000001, -4.0), (1.0, 5.000001, 2.0), (-0.9, 2.1, 2.0), (10, 0, -3)])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32])
+def test_arange_into_integers_truncates_its_arguments_first(args, dtype):
+    same(torch.arange(*args, dtype=dtype), torch.arange(*args, dtype=dtype, device=DEV))
+
+
+def test_batch_norm_without_running_stats():
+    torch.manual_seed(4)
+    x = torch.randn(2, 3, 4)
+    same(torch.nn.functional.batch_norm(x, None, None, training=True),
+         torch.nn.functional.batch_norm(x.to(DEV), None, None, training=True), atol=1e-5, rtol=1e-5)
+
+
+# -- half precision: one rounding, as ATen's opmath kernels -----------------------------------------
+def _closer_or_within_an_ulp(cpu, neuron, exact):
+    """neuron is no further from the float64 result than CPU, or within one bfloat16 ulp of it."""
+    allowed = torch.maximum((cpu.double() - exact).abs(), torch.finfo(cpu.dtype).eps * exact.abs())
+    assert bool(((neuron.cpu().double() - exact).abs() <= allowed).all())
+
+
+def test_foreach_addcmul_keeps_its_scalars_in_float32():
+    torch.manual_seed(5)
+    xs = [torch.randn(17, 17, dtype=torch.bfloat16) for _ in range(3)]
+    scalars = [0.8169093525900684, 0.5132484593952417, 0.0350984390]
+    cpu = torch._foreach_addcmul(xs, xs, xs, scalars)
+    neuron = torch._foreach_addcmul(*[[x.to(DEV) for x in xs]] * 3, scalars)
+    exact = torch._foreach_addcmul(*[[x.double() for x in xs]] * 3, scalars)
+    for c, n, e in zip(cpu, neuron, exact):
+        _closer_or_within_an_ulp(c, n, e)
+
+
+@pytest.mark.parametrize("op", [
+    lambda t, dt: torch.cumsum(t, 1, dtype=dt),
+    lambda t, dt: torch.sum(t, 1, dtype=dt),
+    lambda t, dt: torch.nn.functional.conv2d(t, t[:4, :1, :3, :3].to(dt), groups=4, padding=1),
+])
+def test_half_precision_accumulates_in_float32(op):
+    torch.manual_seed(6)
+    t = torch.randn(4, 4, 6, 6, dtype=torch.bfloat16)
+    exact = op(t.double(), torch.float64)
+    _closer_or_within_an_ulp(op(t, torch.bfloat16), op(t.to(DEV), torch.bfloat16), exact.double())
