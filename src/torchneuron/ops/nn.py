@@ -123,7 +123,6 @@ def _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, nd):
     padding, dilation = _expand(padding, nd), _expand(dilation, nd)
     batched = self.ndim == nd + 2
     x = self if batched else self[None]
-    lead = x.shape[:2]
     in_sizes = x.shape[2:]
     out_sizes, flat, valid = _flat_windows(in_sizes, kernel, stride, padding, dilation, ceil_mode)
     xf = _flatten_from(x, 2)
