@@ -114,6 +114,15 @@ def test_floor_division_follows_aten(dtype):
     assert torch.floor_divide(a.to(DEV), b.to(DEV)).cpu()[2].signbit()
 
 
+@pytest.mark.parametrize("mode", ["floor", "trunc"])
+def test_exact_quotients_of_broadcast_operands_stay_exact(mode):
+    # XLA would divide by a broadcast operand through its reciprocal: 5.125 / 5.125 -> 0.99999994.
+    torch.manual_seed(7)
+    b = torch.randn(50, 40)
+    a = b.expand(3, 50, 40).contiguous()
+    same(torch.div(a, b, rounding_mode=mode), torch.div(a.to(DEV), b.to(DEV), rounding_mode=mode))
+
+
 def test_index_add_on_bool_is_a_logical_or():
     t = torch.tensor([[True, False], [False, False]])
     src = torch.tensor([[False, True], [True, False]])

@@ -70,7 +70,7 @@ def div_mode(self, other, *, rounding_mode=None):
         return lax.div(a, b)   # C's truncating integer division
     dtype = jnp.result_type(self)
     compute = compute_dtype(dtype)
-    return jnp.trunc(jnp.asarray(self, compute) / jnp.asarray(other, compute)).astype(dtype)
+    return jnp.trunc(_ieee_div(jnp.asarray(self, compute), jnp.asarray(other, compute))).astype(dtype)
 
 
 @lowering("floor_divide.default", "floor_divide.Scalar", promote="result", promote_args=("self", "other"))
@@ -82,12 +82,20 @@ def floor_divide(self, other):
                             jnp.asarray(other).astype(compute_dtype(dtype))).astype(dtype)
 
 
+def _ieee_div(a, b):
+    """a / b as IEEE division. XLA rewrites a division by a broadcast operand into a multiplication by
+    its reciprocal, up to an ulp off -- enough to move an exact integer quotient (5.125 / 5.125) below
+    1 before floor/trunc. Both operands pass an optimisation barrier at full shape to keep the divide."""
+    a, b = lax.optimization_barrier(tuple(jnp.broadcast_arrays(a, b)))
+    return a / b
+
+
 def _div_floor_float(a, b):
     """ATen's div_floor_floating: the quotient of a - fmod(a, b), so a quotient that rounds up to an
     integer (1 / 0.1 -> 10.000000000000002) still floors to 9; division by zero gives IEEE inf/nan,
     and a zero quotient keeps the sign of a / b."""
     mod = jnp.fmod(a, b)
-    div = (a - mod) / b
+    div = _ieee_div(a - mod, b)
     div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
     floordiv = jnp.floor(div)
     floordiv = jnp.where(div - floordiv > 0.5, floordiv + 1, floordiv)
