@@ -223,8 +223,10 @@ def summarise(rows: list[dict]) -> dict:
     decomposed = defaultdict(set)
     reasons = defaultdict(Counter)            # op -> expectation reason counts
     failures = defaultdict(list)
+    cpu_errors = Counter()                    # (op, dtype, check) -> samples CPU itself rejects
     for r in rows:
         if r["status"] == "cpu_error":
+            cpu_errors[(r["op"], r["dtype"], r["check"])] += 1
             continue
         by[(r["op"], r["dtype"], r["check"])][r["status"]] += 1
         for f in r.get("fallbacks", ()):
@@ -235,7 +237,7 @@ def summarise(rows: list[dict]) -> dict:
         if r["status"] == "fail":
             failures[r["op"]].append(r)
     return {"by": by, "fallbacks": fallbacks, "decomposed": decomposed, "reasons": reasons,
-            "failures": failures}
+            "failures": failures, "cpu_errors": cpu_errors}
 
 
 def op_status(counts: Counter, decomposed) -> str:
@@ -288,14 +290,17 @@ def render(rows: list[dict], core: list[dict]) -> str:
         w(f"- `{cmd}`: {n}")
     w("")
     ran = sum(sum(by[k].values()) for k in groups)
+    rejected = sum(s["cpu_errors"][k] for k in groups)
     known = [available.get(k) for k in groups]
     if all(n is not None for n in known) and known:
         total = sum(known)
-        scope = "every sample" if ran >= total else (
+        scope = "every sample" if ran + rejected >= total else (
             f"a sample of the sweep: the leading samples of each entry, dtype and check ({_pct(ran, total)} "
             "of the samples OpInfo generates for them; the complete sweep is `pytest -m slow tests/opinfo` "
             "or the commands above without `--limit`)")
-        w(f"Scope: {ran} samples run of {total} -- {scope}.\n")
+        w(f"Scope: {ran} samples run of {total} -- {scope}."
+          + (f" {rejected} further samples are not counted: CPU itself rejects them (an invalid sample is "
+             "no test of neuron)." if rejected else "") + "\n")
     w("Every OpInfo sample (PyTorch's `op_db`, `torch.testing._internal.common_methods_invocations`) "
       "runs on CPU and on neuron and the results are compared. **native**: matched with no CPU fallback "
       "during the op (decompositions into lowered ops count as native); **fallback**: matched, but some "
