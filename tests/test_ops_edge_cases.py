@@ -172,3 +172,15 @@ def test_half_precision_accumulates_in_float32(op):
     t = torch.randn(4, 4, 6, 6, dtype=torch.bfloat16)
     exact = op(t.double(), torch.float64)
     _closer_or_within_an_ulp(op(t, torch.bfloat16), op(t.to(DEV), torch.bfloat16), exact.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8])
+def test_gcd_and_lcm_run_natively_and_wrap_as_aten(dtype):
+    torch.manual_seed(8)
+    low = 0 if dtype == torch.uint8 else -100
+    a, b = torch.randint(low, 100, (500,), dtype=dtype), torch.randint(low, 100, (500,), dtype=dtype)
+    a[:3], b[:2] = 0, 0                       # gcd(0, 0) = 0 = lcm(0, 0)
+    before = dict(torchneuron.metrics.fallbacks)
+    for fn in (torch.gcd, torch.lcm):         # int8 lcm overflows: computed wide, wrapped when stored
+        same(fn(a, b), fn(a.to(DEV), b.to(DEV)))
+    assert dict(torchneuron.metrics.fallbacks) == before

@@ -246,6 +246,21 @@ def logical_not(self):
     return self == 0
 
 
+@lowering("gcd.default", promote="result", promote_args=("self", "other"))
+def gcd(self, other):
+    return jnp.gcd(self, other)   # non-negative; gcd(0, 0) = 0, as ATen
+
+
+@lowering("lcm.default", promote="result", promote_args=("self", "other"))
+def lcm(self, other):
+    # ATen: |a / gcd(a, b) * b| (the division is exact), 0 when both are 0; C++ computes it in int
+    # at least (integer promotion), so small types wrap only when the result is stored.
+    dtype = jnp.result_type(self)
+    a, b = jnp.asarray(self, jnp.int64), jnp.asarray(other, jnp.int64)
+    g = jnp.gcd(a, b)
+    return jnp.where(g == 0, 0, jnp.abs(a // jnp.where(g == 0, 1, g) * b)).astype(dtype)
+
+
 @lowering("bitwise_and.Tensor", "bitwise_and.Scalar", promote="result", promote_args=("self", "other"))
 def bitwise_and(self, other):
     return jnp.bitwise_and(self, other)
