@@ -184,3 +184,19 @@ def test_gcd_and_lcm_run_natively_and_wrap_as_aten(dtype):
     for fn in (torch.gcd, torch.lcm):         # int8 lcm overflows: computed wide, wrapped when stored
         same(fn(a, b), fn(a.to(DEV), b.to(DEV)))
     assert dict(torchneuron.metrics.fallbacks) == before
+
+
+@pytest.mark.filterwarnings("ignore:torchneuron")
+@pytest.mark.parametrize("weights", [None, torch.float32, torch.int32])
+@pytest.mark.parametrize("minlength", [0, 12])
+def test_bincount_runs_on_neuron(weights, minlength):
+    torch.manual_seed(9)
+    x = torch.randint(0, 8, (40,))
+    w = None if weights is None else torch.randint(0, 5, (40,)).to(weights)
+    before = dict(torchneuron.metrics.fallbacks)
+    out = torch.bincount(x.to(DEV), None if w is None else w.to(DEV), minlength)
+    assert dict(torchneuron.metrics.fallbacks) == before and out.device.type == DEV
+    ref = torch.bincount(x, w, minlength)
+    same(ref.to(out.dtype), out)   # float64 results are float32 on neuron (the dtype policy)
+    with pytest.raises(RuntimeError, match="non-negative"):
+        torch.bincount(torch.tensor([3, -1], device=DEV))

@@ -113,7 +113,33 @@ def equal(self, other):
     return bool(torch.eq(self, other).all())
 
 
+def bincount(self, weights=None, minlength=0):
+    """``torch.bincount``: its length is max(input) + 1, so one host read (of the min and max)."""
+    if self.dim() != 1 or self.is_floating_point() or self.is_complex() or self.dtype == torch.bool:
+        raise RuntimeError(f"bincount only supports 1-d non-negative integral inputs; got a {self.dim()}-d "
+                           f"{self.dtype} tensor of shape {tuple(self.shape)}")
+    if minlength < 0:
+        raise RuntimeError(f"bincount: minlength should be >= 0, got {minlength}")
+    if weights is not None and (weights.dim() != 1 or weights.shape[0] != self.shape[0]):
+        raise RuntimeError(f"bincount: weights should be 1-d and have the same length as input; got "
+                           f"{tuple(weights.shape)} for input {tuple(self.shape)}")
+    size = minlength
+    if self.numel():
+        low, high = torch.stack([self.min(), self.max()]).tolist()
+        if low < 0:
+            raise RuntimeError(f"bincount only supports 1-d non-negative integral inputs; input holds {low}")
+        size = max(high + 1, minlength)
+    # As CPU: counts are int64, float32 weights sum in float32, other weights in float64.
+    if weights is None:
+        dtype, values = _LONG, torch.ones_like(self, dtype=_LONG)
+    else:
+        dtype = torch.float32 if weights.dtype == torch.float32 else torch.float64
+        values = weights.to(dtype)
+    return torch.zeros(size, dtype=values.dtype, device=self.device).index_add_(0, self.to(_LONG), values)
+
+
 KERNELS = {
+    "bincount.default": bincount,
     "_unique2.default": unique2,
     "_unique.default": unique,
     "unique_dim.default": unique_dim,
