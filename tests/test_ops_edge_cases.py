@@ -200,3 +200,12 @@ def test_bincount_runs_on_neuron(weights, minlength):
     same(ref.to(out.dtype), out)   # float64 results are float32 on neuron (the dtype policy)
     with pytest.raises(RuntimeError, match="non-negative"):
         torch.bincount(torch.tensor([3, -1], device=DEV))
+
+
+def test_an_identically_zero_gradient_stays_on_neuron():
+    # sgn's gradient for real inputs is an _efficientzerotensor.
+    x = torch.randn(3, 4).to(DEV).requires_grad_()
+    before = dict(torchneuron.metrics.fallbacks)
+    (torch.sgn(x) * 2).sum().backward()
+    assert dict(torchneuron.metrics.fallbacks) == before
+    same(torch.zeros(3, 4), x.grad)

@@ -91,6 +91,13 @@ def linspace(start, end, steps, **factory):
     return jnp.where(idx < steps // 2, start + step * idx, end - step * (steps - 1 - idx))
 
 
+@lowering("_efficientzerotensor.default")
+def efficient_zero_tensor(size, **_factory):
+    # What autograd returns for an identically-zero gradient (sgn of a real tensor). A ZeroTensor is
+    # all zeros by definition; neuron has no ZeroTensor key, so the zeros are materialised.
+    return jnp.zeros(tuple(size), jnp.float32)
+
+
 @lowering("eye.default")
 def eye(n, **_factory):
     return jnp.eye(n, dtype=jnp.float32)
