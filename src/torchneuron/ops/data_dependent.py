@@ -131,10 +131,9 @@ def bincount(self, weights=None, minlength=0):
         size = max(high + 1, minlength)
     # As CPU: counts are int64, float32 weights sum in float32, other weights in float64.
     if weights is None:
-        dtype, values = _LONG, torch.ones_like(self, dtype=_LONG)
+        values = torch.ones_like(self, dtype=_LONG)
     else:
-        dtype = torch.float32 if weights.dtype == torch.float32 else torch.float64
-        values = weights.to(dtype)
+        values = weights.to(torch.float32 if weights.dtype == torch.float32 else torch.float64)
     return torch.zeros(size, dtype=values.dtype, device=self.device).index_add_(0, self.to(_LONG), values)
 
 

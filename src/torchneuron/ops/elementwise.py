@@ -78,8 +78,8 @@ def floor_divide(self, other):
     if _is_int(self):
         return jnp.floor_divide(self, other)
     dtype = jnp.result_type(self)
-    return _div_floor_float(jnp.asarray(self).astype(compute_dtype(dtype)),
-                            jnp.asarray(other).astype(compute_dtype(dtype))).astype(dtype)
+    compute = compute_dtype(dtype)
+    return _div_floor_float(jnp.asarray(self, compute), jnp.asarray(other, compute)).astype(dtype)
 
 
 def _ieee_div(a, b):
@@ -99,8 +99,9 @@ def _div_floor_float(a, b):
     div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
     floordiv = jnp.floor(div)
     floordiv = jnp.where(div - floordiv > 0.5, floordiv + 1, floordiv)
-    floordiv = jnp.where(div == 0, jnp.copysign(jnp.zeros_like(div), a / b), floordiv)
-    return jnp.where(b == 0, a / b, floordiv)
+    quotient = a / b   # only its sign and its IEEE inf/nan are used
+    floordiv = jnp.where(div == 0, jnp.copysign(jnp.zeros_like(div), quotient), floordiv)
+    return jnp.where(b == 0, quotient, floordiv)
 
 
 @lowering("remainder.Tensor", "remainder.Scalar", "remainder.Scalar_Tensor", promote="result",

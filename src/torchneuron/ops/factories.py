@@ -62,17 +62,18 @@ def _is_integral(dtype) -> bool:
 def _arange(start, end, step, dtype=None):
     """ATen's arange: start + i * step in its accumulate type (double for floating results, int64
     for integer ones, whose start and step are truncated first), then cast by the caller."""
-    if _is_integral(dtype) or (dtype is None and all(isinstance(v, int) for v in (start, end, step))):
+    integral = _is_integral(dtype) or (
+        dtype is None and all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end, step)))
+    if integral and dtype in (None, torch.int64):
+        # int64 sizes its result in integer arithmetic: C's truncating division of the span.
         istart, iend, istep = int(start), int(end), int(step)
-        if dtype is None or dtype == torch.int64:
-            # int64 sizes its result in integer arithmetic: C's truncating division.
-            sign = (istep > 0) - (istep < 0)
-            n = abs(iend - istart + istep - sign) // abs(istep)
-            n = n if (iend - istart + istep - sign) * istep >= 0 else 0
-        else:
-            n = max(math.ceil((end - start) / step), 0)
-        return istart + jnp.arange(max(n, 0), dtype=jnp.int64) * istep
-    n = max(math.ceil((end - start) / step), 0)
+        span = iend - istart + istep - (1 if istep > 0 else -1)
+        n = abs(span) // abs(istep) if span * istep > 0 else 0
+    else:
+        # Other dtypes size it in double from the arguments as given.
+        n = max(math.ceil((end - start) / step), 0)
+    if integral:
+        return int(start) + jnp.arange(n, dtype=jnp.int64) * int(step)
     return start + jnp.arange(n, dtype=jnp.float64) * step
 
 

@@ -94,7 +94,7 @@ def scatter_add(self, dim, index, src):
     if index.size == 0:   # nothing to add; ATen checks nothing about an empty index
         return self
     if self.ndim == 0:
-        return self + src.reshape(()) if index.size else self
+        return self + src.reshape(())
     dim = dim % self.ndim
     return _add_at(self.at[_scatter_index(index, dim, self.shape[dim])], _src_like(src, index))
 
@@ -149,9 +149,9 @@ def _dim_index(ndim, dim, index):
 
 @lowering("index_add.default", promote="result", promote_args=("self", "source"))
 def index_add(self, dim, index, source, *, alpha=1):
-    scaled = jnp.logical_and(source, alpha) if self.dtype == jnp.bool_ else source * alpha
     if self.ndim == 0:
-        return _add_at(self.reshape(1).at[0], jnp.sum(scaled, dtype=self.dtype)).reshape(())
+        return index_add(self.reshape(1), 0, index.reshape(-1), source.reshape(-1), alpha=alpha).reshape(())
+    scaled = jnp.logical_and(source, alpha) if self.dtype == jnp.bool_ else source * alpha
     dim = dim % self.ndim
     return _add_at(self.at[_dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))], scaled)
 
