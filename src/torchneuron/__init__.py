@@ -8,6 +8,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+# Only torch-free modules at import time: `import torchneuron` runs `import torch`, which loads this
+# package again through its torch.backends entry point. Everything else is imported inside the
+# functions below, once torch is whole.
 from .config import config
 from .metrics import metrics
 
@@ -46,7 +49,7 @@ def register() -> None:
     registration.register_all()
     from .config import observe
     from .eager import adaptive
-    observe("eager_mode", adaptive._apply_mode)
+    observe("eager_mode", adaptive.apply_mode)
     printing.install()
     modules.install()
     autocast.install()

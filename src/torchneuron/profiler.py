@@ -17,6 +17,10 @@ import sys
 import threading
 import time
 
+import torch
+import torch.autograd.profiler as autograd_profiler
+
+from .eager import kernel
 from .metrics import metrics
 
 __all__ = ["enable", "disable", "reset", "stats", "summary", "is_enabled"]
@@ -205,12 +209,9 @@ _explicit = False   # enable() was called: keep timing between profiler sessions
 
 def update() -> None:
     """Install the tracer on the metrics registry exactly while something needs it."""
-    from .eager import kernel
-
     t = _tracer
     needed = t.collector is not None or t.ranges or t.timing
     if needed and t._range is None:
-        import torch
         t._range = torch._C._profiler._RecordFunctionFast
     metrics.tracer = t if needed else None
     kernel.set_tracing(needed)
@@ -225,7 +226,7 @@ def _set_graph_tracing(on: bool) -> None:
     global _graph_plain
     if not on and _graph_plain is None:
         return          # never swapped: nothing to restore
-    from .compile import graph
+    from .compile import graph  # the graph compiler loads with the first torch.compile, not here
 
     program = graph.GraphProgram
     if _graph_plain is None:
@@ -287,7 +288,6 @@ def install_hooks() -> None:
     global _hooks_installed
     if _hooks_installed:
         return
-    import torch.autograd.profiler as autograd_profiler
 
     on_start = autograd_profiler._run_on_profiler_start
     on_stop = autograd_profiler._run_on_profiler_stop

@@ -18,8 +18,9 @@ import torch
 from ..config import config
 from ..metrics import metrics
 from ..ops import registry
+from ..ops.signature import mutates, registry_name
 from . import dynamo_hooks
-from .graph import GraphProgram, op_name
+from .graph import GraphProgram
 
 _OPTIONS = ("fallback", "dump_dir")
 _graph_ids = itertools.count()
@@ -106,9 +107,8 @@ def decompositions() -> dict:
 
 
 def _lowered_directly(op) -> bool:
-    name = op_name(op)
-    mutable = any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
-    if not mutable:
+    name = registry_name(op)
+    if not mutates(op):
         low = registry.get(name)
         return low is not None and not low.mutates
     # In-place ops (lerp_.Scalar): functionalization rewrites them to their functional op plus a

@@ -8,8 +8,8 @@ keep JAX's default threshold and stay out of it.
 
 Tracing the interpreter and lowering to StableHLO still cost seconds per large graph before JAX can
 even compute its key, so ``<cache_dir>/graphs/`` also keeps an index from the graph itself (FX code,
-constants, input signature, platform, versions and a fingerprint of torchneuron's lowering code) to
-the serialized executable: a warm process goes from the FX graph straight to a loaded executable.
+constants, input signature, platform, versions and a fingerprint of every torchneuron source file)
+to the serialized executable: a warm process goes from the FX graph straight to a loaded executable.
 """
 
 from __future__ import annotations
@@ -25,9 +25,13 @@ import threading
 import warnings
 
 import jax
+import torch
+from jax._src import compilation_cache
 from jax._src import config as jax_config
+from jax.experimental import serialize_executable
 
 from ..config import config
+from ..runtime import pjrt
 
 _tls = threading.local()
 _lock = threading.Lock()
@@ -69,7 +73,6 @@ def _configure() -> str:
             os.makedirs(want, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", want or None)
         # JAX opens its cache once per process; make it reopen at the new place.
-        from jax._src import compilation_cache
         compilation_cache.reset_cache()
         _configured_dir = want
     return want
@@ -114,30 +117,30 @@ _FORMAT = 1
 
 @functools.cache
 def _code_fingerprint() -> str:
-    """Versions, platform and torchneuron's own sources: any change invalidates the index."""
-    import torch
-
-    from ..runtime import pjrt
+    """Versions, platform and every source file of torchneuron: any change invalidates the index
+    (what a graph computes depends on lowerings, the interpreter, layouts, dtype rules, config...)."""
     h = hashlib.sha256()
     dev = pjrt.devices()[0]
     h.update(repr((_FORMAT, sys.version, torch.__version__, jax.__version__, config.platform,
                    dev.platform, dev.device_kind, pjrt.platform_version(),
                    os.environ.get("XLA_FLAGS", ""))).encode())
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for rel in _LOWERING_SOURCES:
-        path = os.path.join(root, rel)
-        files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".py")) \
-            if os.path.isdir(path) else [path]
-        for name in files:
-            with open(name, "rb") as f:
-                h.update(os.path.relpath(name, root).encode())
-                h.update(f.read())
+    for name in package_sources():
+        with open(name, "rb") as f:
+            h.update(os.path.relpath(name, _PACKAGE_ROOT).encode())
+            h.update(f.read())
     return h.hexdigest()
 
 
-# The code that decides what a graph computes: lowerings, the interpreter, layouts, dtype rules.
-_LOWERING_SOURCES = ("ops", "compile", "eager/kernel.py", "eager/layout.py", "runtime/dtypes.py",
-                     "runtime/rng.py", "config.py")
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def package_sources() -> list[str]:
+    """Every Python source file of the installed torchneuron package, in a stable order."""
+    found = []
+    for directory, subdirs, files in os.walk(_PACKAGE_ROOT):
+        subdirs[:] = sorted(d for d in subdirs if d != "__pycache__")
+        found.extend(os.path.join(directory, n) for n in sorted(files) if n.endswith(".py"))
+    return found
 
 
 def graph_key(graph_hash: str, signature, device_index: int) -> str:
@@ -155,7 +158,6 @@ def load_graph(key: str, devices):
     if path is None or not os.path.exists(path):
         return None
     try:
-        from jax.experimental import serialize_executable
         with open(path, "rb") as f:
             entry = pickle.load(f)
         compiled = serialize_executable.deserialize_and_load(
@@ -172,7 +174,6 @@ def store_graph(key: str, compiled, meta: dict) -> None:
     if path is None:
         return
     try:
-        from jax.experimental import serialize_executable
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         # Write then rename, so a concurrent reader never sees half an entry.

@@ -34,8 +34,7 @@ _POOL_PER_SIZE = 4        # buffers kept per size (a collective in flight and re
 
 def flush() -> None:
     """Run pending adaptive-eager work, so reads see it and writes land after it."""
-    from ..eager import adaptive
-    adaptive.flush("collective")
+    memory.flush_pending("collective")
 
 
 class _Pool:

@@ -65,7 +65,7 @@ class Region:
     def record(self, k, exe, values, ctx):
         with self.lock:
             input_sids = tuple(self._sid(addr, buf) for addr, buf in zip(ctx.addrs, ctx.bufs))
-            device_index = ctx.device_index if ctx.device_index is not None else kernel._output_device(values, k)
+            device_index = ctx.device_index if ctx.device_index is not None else k.output_device(values)
             outs, out_sids = [], []
             for spec in exe.out_specs:
                 if spec is None:
@@ -163,10 +163,11 @@ def flush(reason: str = "explicit") -> None:
 
 def set_eager_mode(mode: str) -> None:
     """``"adaptive"`` records and fuses eager ops; ``"plain"`` runs each op as it is called."""
-    config.eager_mode = mode  # validates, then calls _apply_mode
+    config.eager_mode = mode  # validates, then calls apply_mode
 
 
-def _apply_mode(mode: str) -> None:
+def apply_mode(mode: str) -> None:
+    """Follow ``config.eager_mode`` (installed as its observer by ``torchneuron.register``)."""
     if mode == "adaptive":
         kernel.recorder = region
     else:

@@ -19,7 +19,11 @@ from torch.utils._pytree import tree_map
 
 from ..config import config
 from ..metrics import metrics
+from ..ops.signature import functional_of, out_names, writes
+from ..runtime import memory
+from ..runtime.device import current_device
 from .kernel import describe_args
+from .out_variants import write_out
 
 _tls = threading.local()
 _warned: set[str] = set()
@@ -68,7 +72,6 @@ def _device_of(args, kwargs):
     dev = kwargs.get("device")
     if dev is not None:
         return torch.device(dev)
-    from ..runtime.device import current_device
     return torch.device("neuron", current_device())
 
 
@@ -100,36 +103,18 @@ def _neuron_fallback(op, *args, **kwargs):
 _functional_cache: dict = {}
 
 
-def _out_args(op):
-    return [a.name for a in op._schema.arguments if a.kwarg_only and a.alias_info is not None
-            and a.alias_info.is_write]
-
-
 def _functional_of(op):
     """For an ``out=`` overload, the functional overload computing the same thing (or None)."""
-    if op in _functional_cache:
-        return _functional_cache[op]
-    found = None
-    outs = _out_args(op)
-    if outs:
-        want = [(a.name, str(a.type)) for a in op._schema.arguments if a.name not in outs]
-        packet = getattr(torch.ops.aten, op._schema.name.split("::", 1)[1])
-        for name in packet.overloads():
-            cand = getattr(packet, name)
-            if cand is not op and [(a.name, str(a.type)) for a in cand._schema.arguments] == want:
-                found = cand
-                break
-    _functional_cache[op] = found
-    return found
+    if op not in _functional_cache:
+        _functional_cache[op] = functional_of(op)
+    return _functional_cache[op]
 
 
 def _out_via_functional(op, functional, args, kwargs):
     # Structured ops reach the backend through their out= form; compute the functional form
     # (decomposed into lowered ops) and write the result into the caller's out tensors.
-    from .registration import write_out
-
     kwargs = dict(kwargs)
-    outs = [kwargs.pop(n) for n in _out_args(op)]
+    outs = [kwargs.pop(n) for n in out_names(op)]
     metrics.decompositions[functional.name().split("::", 1)[1]] += 1
     active = _active()
     active.add(functional)
@@ -154,8 +139,7 @@ def cpu_fallback(op, args, kwargs):
             "CPU, or avoid the op."
         )
     metrics.fallbacks[short] += 1
-    from . import adaptive
-    adaptive.flush("fallback")  # the CPU kernel needs the values of everything recorded so far
+    memory.flush_pending("fallback")  # the CPU kernel needs the values of everything recorded so far
     if config.fallback == "warn" and short not in _warned:
         _warned.add(short)
         warnings.warn(
@@ -185,7 +169,7 @@ def cpu_fallback(op, args, kwargs):
     schema = op._schema
     bound = list(cpu_args) + [cpu_kwargs.get(a.name) for a in schema.arguments[len(cpu_args):]]
     for arg, value in zip(schema.arguments, bound):
-        if arg.alias_info is not None and arg.alias_info.is_write and value is not None:
+        if writes(arg) and value is not None:
             for cpu_t in (value if isinstance(value, list | tuple) else [value]):
                 target = originals.get(id(cpu_t))
                 if target is not None:

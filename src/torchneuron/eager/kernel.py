@@ -11,13 +11,14 @@ Every lowered ATen overload gets a ``Kernel``. A call:
 3. runs the executable on the storages' flat buffers and wraps fresh output buffers as neuron
    tensors, or replaces the buffers of mutated storages.
 
-Type promotion, in-place and ``out=`` variants live here, once, for every op.
+What the schema says (argument kinds, binding, mutated arguments, returns), promotion and how the
+lowering is called come from ``ops.signature``, shared with torch.compile graphs; this module adds
+the cache key and the executable.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 import time
 import warnings
 
@@ -25,39 +26,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from ..metrics import metrics
-from ..ops.registry import Lowering
-from ..runtime import memory, pjrt, rng
-from ..runtime.dtypes import device_dtype, jax_dtype
-from . import layout
+from ..ops.signature import (
+    OPT_SCALAR,
+    OPT_TENSOR,
+    OPT_TENSOR_LIST,
+    SCALAR,
+    TENSOR,
+    TENSOR_LIST,
+    OpSignature,
+    cast_and_broadcast,
+    read_input,
+)
+from ..runtime import layout, memory, pjrt, rng
+from ..runtime.device import current_device, device_mismatch_error
+from ..runtime.dtypes import device_dtype, jax_dtype, torch_dtype
 
 _records = memory.allocator.records
-_REQUIRED = object()
-
-# Argument kinds.
-_TENSOR, _OPT_TENSOR, _TENSOR_LIST, _OPT_TENSOR_LIST, _SCALAR, _OPT_SCALAR, _STATIC = range(7)
-
-_tls = threading.local()
-
-
-def _kind(arg) -> int:
-    t = str(arg.type)
-    if t == "Tensor":
-        return _TENSOR
-    if t == "Optional[Tensor]":
-        return _OPT_TENSOR
-    if t == "List[Tensor]" or t == "List[number]":
-        # Scalar[] (the _foreach_*.ScalarList ops): runtime values, like a list's wrapped numbers.
-        return _TENSOR_LIST
-    if t == "List[Optional[Tensor]]":
-        return _OPT_TENSOR_LIST
-    if t == "number":
-        return _SCALAR
-    if t == "Optional[number]":
-        return _OPT_SCALAR
-    return _STATIC
 
 
 def _freeze(v):
@@ -66,14 +52,6 @@ def _freeze(v):
     if isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
         raise TypeError("torchneuron: symbolic sizes are not supported in eager mode")
     return v
-
-
-def device_mismatch_error(other: torch.Tensor, device_index: int) -> RuntimeError:
-    # Same text as PyTorch's CUDA check, so users recognise it.
-    return RuntimeError(
-        "Expected all tensors to be on the same device, but found at least two devices, "
-        f"neuron:{device_index} and {other.device}!"
-    )
 
 
 class Executable:
@@ -102,82 +80,34 @@ def clear_cache() -> None:
     _cache.clear()
 
 
-class Kernel:
-    """The PrivateUse1 kernel of one ATen overload, driven by its schema and a lowering."""
-
-    def __init__(self, overload, lowering: Lowering, functional=None):
-        self.overload = overload
-        self.lowering = lowering
-        self.name = overload.name()            # "aten::add.Tensor"
-        self.short_name = self.name.split("::", 1)[1]
-        schema = overload._schema
-        args = schema.arguments
-        self.arg_names = [a.name for a in args]
-        self.kwarg_only = [a.kwarg_only for a in args]
-        self.defaults = [a.default_value if a.has_default_value() else _REQUIRED for a in args]
-        self.index_of = {a.name: i for i, a in enumerate(args)}
-        self.kinds = [_kind(a) for a in args]
-        self.dynamic = [i for i, k in enumerate(self.kinds) if k != _STATIC]
-        self.static = [i for i, k in enumerate(self.kinds) if k == _STATIC]
-        if lowering.static_scalars:
-            self.dynamic = [i for i in self.dynamic if self.kinds[i] not in (_SCALAR, _OPT_SCALAR)]
-            self.static = sorted(set(range(len(args))) - set(self.dynamic))
-        # Mutated arguments (in-place self, out=, running stats...) in schema order.
-        self.mutated = [i for i, a in enumerate(args) if (a.alias_info is not None and a.alias_info.is_write)
-                        or a.name in lowering.mutates]
-        self.functional = functional       # for derived in-place variants: the functional overload
-        # Returns that alias a mutated input give back that input; the rest are new tensors.
-        alias_sets = {}
-        for i in self.mutated:
-            for s in (args[i].alias_info.after_set if args[i].alias_info is not None else ()):
-                alias_sets[s] = i
-        self.return_sources = []
-        for r in schema.returns:
-            if r.alias_info is not None and r.alias_info.after_set:
-                self.return_sources.append(alias_sets.get(next(iter(r.alias_info.after_set))))
-            else:
-                self.return_sources.append(None)
-        self.new_outputs = sum(1 for s in self.return_sources if s is None)
-        self.returns_list = len(schema.returns) == 1 and str(schema.returns[0].type) == "List[Tensor]"
-        self.promote_idx = None
-        if lowering.promote:
-            names = lowering.promote_args or tuple(
-                a.name for a, k in zip(args, self.kinds) if k in (_TENSOR, _SCALAR, _OPT_SCALAR, _OPT_TENSOR)
-                and not a.kwarg_only)
-            self.promote_idx = [self.index_of[n] for n in names if n in self.index_of]
+class Kernel(OpSignature):
+    """The PrivateUse1 kernel of one ATen overload: its signature plus a cache of executables."""
 
     # -- the hot path ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         metrics.op_calls[self.short_name] += 1
-        values = list(args)
-        n = len(values)
-        if n < len(self.defaults):
-            values.extend(self.defaults[n:])
-        if kwargs:
-            index_of = self.index_of
-            for k, v in kwargs.items():
-                values[index_of[k]] = v
+        values = self.bind(args, kwargs)
         bufs, addrs, slots, runtime, specs = [], [], {}, [], []
         ctx = _KeyContext(bufs, addrs, slots, runtime)
         kinds = self.kinds
         for i in self.dynamic:
             v = values[i]
             kind = kinds[i]
-            if kind == _TENSOR:
+            if kind == TENSOR:
                 specs.append(ctx.tensor(v))
-            elif kind == _SCALAR:
+            elif kind == SCALAR:
                 specs.append(ctx.scalar(v))
-            elif kind == _OPT_TENSOR or kind == _OPT_SCALAR:
-                specs.append(None if v is None else ctx.tensor(v) if kind == _OPT_TENSOR else ctx.scalar(v))
+            elif kind == OPT_TENSOR or kind == OPT_SCALAR:
+                specs.append(None if v is None else ctx.tensor(v) if kind == OPT_TENSOR else ctx.scalar(v))
             else:
                 specs.append(tuple(None if t is None else ctx.tensor(t) for t in v))
         statics = tuple(_freeze(values[i]) for i in self.static)
         random = self.lowering.random
         if random:
-            gen = rng.generator(ctx.device_index if ctx.device_index is not None else _current_device())
+            gen = rng.generator(ctx.device_index if ctx.device_index is not None else current_device())
             runtime.extend(gen.next_key_inputs())
         if ctx.device_index is None:   # no tensor inputs (factories): the device argument decides
-            ctx.device_index = _output_device(values, self)
+            ctx.device_index = self.output_device(values)
         key = (self, tuple(specs), statics, tuple(ctx.storages), ctx.device_index)
         exe = _cache.get(key)
         if exe is None:
@@ -192,7 +122,7 @@ class Kernel:
         return self._finish(exe, results, values, addrs, ctx)
 
     def _finish(self, exe, results, values, addrs, ctx):
-        device_index = ctx.device_index if ctx.device_index is not None else _output_device(values, self)
+        device_index = ctx.device_index if ctx.device_index is not None else self.output_device(values)
         outs = []
         k = 0
         for spec in exe.out_specs:
@@ -207,32 +137,21 @@ class Kernel:
             k += 1
         return self.returned(outs, values)
 
-    def input_contiguous(self, values):
-        """Whether the lowering's ``contiguity_of`` argument (a tensor or its meta) is C-contiguous."""
-        name = self.lowering.contiguity_of
-        return None if name is None else bool(values[self.index_of[name]].is_contiguous())
-
-    def returned(self, outs, values):
-        """What the op returns: its new outputs, and the mutated inputs its schema aliases."""
-        if self.returns_list:
-            return outs
-        returned = []
-        j = 0
-        for src in self.return_sources:
-            if src is None:
-                returned.append(outs[j])
-                j += 1
-            else:
-                returned.append(values[src])
-        if not returned:
-            return None
-        return returned[0] if len(returned) == 1 else tuple(returned)
+    def output_device(self, values) -> int:
+        """The device of an op without tensor inputs (factories): its ``device`` argument, else the
+        current device."""
+        i = self.index_of.get("device")
+        if i is not None and values[i] is not None:
+            dev = torch.device(values[i])
+            if dev.index is not None:
+                return dev.index
+        return current_device()
 
     # -- compile on a miss ----------------------------------------------------------------------
     def _plan(self, values, specs, ctx):
         """Shapes, dtypes and the traced body of this call's executable (not compiled yet)."""
         meta_out = self._run_meta(values)
-        new_meta = _new_outputs(self, meta_out)
+        new_meta = self.new_output_metas(meta_out)
         out_specs = []
         for m in new_meta:
             if m is None:      # an output the caller masked off (backward ops' output_mask)
@@ -244,17 +163,11 @@ class Kernel:
                 strides = memory.contiguous_strides(sizes)
             out_specs.append((dtype, sizes, strides))
         # Buffers written by this op, and the view of each mutated argument.
-        write_targets = []
-        for i in self.mutated:
-            v = values[i]
-            if v is None:
-                continue
-            for t in (v if isinstance(v, list | tuple) else (v,)):
-                write_targets.append(_view_spec(t, ctx))
+        write_targets = [_view_spec(t, ctx) for _, _, t in self.mutated_tensors(values)]
         writes = tuple(dict.fromkeys(slot for slot, _ in write_targets if slot is not None))
         promote_dtype = None
         if self.promote_idx is not None:
-            promote_dtype = self._promotion_dtype(values, new_meta, meta_out)
+            promote_dtype = self.promotion_dtype(values, new_meta)
         traced = _Traced(self, specs, values, out_specs, write_targets, writes, promote_dtype, ctx)
         return Executable(traced, out_specs, writes, self.short_name)
 
@@ -286,9 +199,7 @@ class Kernel:
     def _run_meta(self, values):
         if self.lowering.shape_from_lowering:
             return self._shape_from_lowering(values)
-        meta_values = [_to_meta(v) for v in values]
-        pos = [v for v, kw in zip(meta_values, self.kwarg_only) if not kw]
-        kw = {n: v for n, v, k in zip(self.arg_names, meta_values, self.kwarg_only) if k}
+        pos, kw = self.split_call([_to_meta(v) for v in values])
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -309,38 +220,17 @@ class Kernel:
             args = list(spec_args)
             for i, a in zip(traced, arrays):
                 args[i] = a
-            pos = [v for v, kw in zip(args, self.kwarg_only) if not kw]
-            kw = {n: v for n, v, k in zip(self.arg_names, args, self.kwarg_only) if k}
+            pos, kw = self.split_call(args)
             if self.lowering.random:
                 kw["key"] = jax.random.key(0)
             return self.lowering.fn(*pos, **kw)
 
         out = jax.eval_shape(run, *[spec_args[i] for i in traced])
         outs = out if isinstance(out, list | tuple) else (out,)
-        from ..runtime.dtypes import torch_dtype
         metas = [torch.empty(o.shape, dtype=torch_dtype(o.dtype), device="meta") for o in outs]
         if self.returns_list:
             return metas
         return tuple(metas) if len(metas) > 1 else metas[0]
-
-    def _promotion_dtype(self, values, new_meta, meta_out):
-        if self.lowering.promote == "result":
-            if new_meta:
-                return device_dtype(new_meta[0].dtype, self.short_name)
-            target = values[self.mutated[0]]
-            return target.dtype
-        operands = []
-        for i in self.promote_idx:
-            v = values[i]
-            if isinstance(v, torch.Tensor):
-                operands.append(v if v.device.type == "cpu" and v.dim() == 0 else
-                                torch.empty(v.shape, dtype=v.dtype, device="meta"))
-            elif v is not None:
-                operands.append(v)
-        if not operands:
-            return None
-        _, dtype = elementwise_dtypes(*operands, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
-        return device_dtype(dtype, self.short_name)
 
 
 class _KeyContext:
@@ -386,7 +276,7 @@ class _KeyContext:
             # A 0-dim CPU tensor is a scalar operand, as on CUDA.
             self.runtime.append(np.asarray(t.item(), dtype=jax_dtype(t.dtype)))
             return ("cpu-scalar", t.dtype)
-        raise device_mismatch_error(t, self.device_index if self.device_index is not None else _current_device())
+        raise device_mismatch_error(t, self.device_index if self.device_index is not None else current_device())
 
     def scalar(self, v):
         if isinstance(v, torch.Tensor):
@@ -434,13 +324,6 @@ def _view_spec(t, ctx):
     return slot, (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
 
 
-def _new_outputs(kernel, meta_out):
-    if kernel.returns_list:
-        return list(meta_out) if kernel.new_outputs else []
-    outs = meta_out if isinstance(meta_out, tuple) else (meta_out,)
-    return [o for o, src in zip(outs, kernel.return_sources) if src is None]
-
-
 class _Traced:
     """The function jax.jit traces for one cache entry: read views, run the lowering, write back."""
 
@@ -466,116 +349,31 @@ class _Traced:
         rt = iter(runtime)
         values = list(self.values)
         for i, spec in zip(k.dynamic, self.specs):
-            kind = k.kinds[i]
-            if kind in (_TENSOR_LIST, _OPT_TENSOR_LIST):
-                values[i] = [None if s is None else _materialise(s, bufs, rt) for s in spec]
-            elif spec is None:
-                values[i] = None
+            if k.kinds[i] in (TENSOR_LIST, OPT_TENSOR_LIST):
+                values[i] = [read_input(s, bufs, rt) for s in spec]
             else:
-                values[i] = _materialise(spec, bufs, rt)
+                values[i] = read_input(spec, bufs, rt)
         key = None
         if k.lowering.random:
             seed, offset = runtime[-2], runtime[-1]
             key = jax.random.fold_in(jax.random.key(seed), offset)
-        mutated_vals, new_vals = call_lowering(k, values, self.promote_dtype, key, len(self.write_targets),
-                                               len(self.out_specs), self.contiguous)
+        mutated_vals, new_vals = k.call_lowering(values, self.promote_dtype, key, len(self.write_targets),
+                                                 len(self.out_specs), self.contiguous)
         outputs = []
         for value, spec in zip(new_vals, self.out_specs):
             if spec is None:
                 continue
             dtype, sizes, strides = spec
-            value = _cast(jnp.asarray(value), dtype)
-            if tuple(value.shape) != tuple(sizes):
-                if value.size == int(np.prod(sizes)) and value.ndim == 0:
-                    value = value.reshape(sizes)
-                else:
-                    raise RuntimeError(
-                        f"torchneuron: lowering of aten::{k.short_name} produced shape {tuple(value.shape)}, "
-                        f"PyTorch expects {tuple(sizes)} (a bug in the lowering)"
-                    )
-            outputs.append(layout.to_layout(value, sizes, strides))
+            outputs.append(layout.to_layout(k.fit_output(value, dtype, sizes), sizes, strides))
         new_bufs = {}
         for (slot, (dtype, sizes, strides, offset)), value in zip(self.write_targets, mutated_vals):
             if value is None or slot is None:
                 continue
             base = new_bufs.get(slot, bufs[slot])
-            value = jnp.broadcast_to(_cast(jnp.asarray(value), dtype), sizes)
+            value = cast_and_broadcast(value, dtype, sizes)
             new_bufs[slot] = layout.write(base, value, jax_dtype(dtype), sizes, strides, offset)
         written = [new_bufs.get(slot, bufs[slot]) for slot in self.writes]
         return tuple(outputs) + tuple(written)
-
-
-def call_lowering(k, values, promote, key, n_mut, n_new, contiguous=None):
-    """Run ``k``'s lowering on materialised arguments: the convention eager kernels and
-    torch.compile graphs share.
-
-    ``values`` holds the arguments in schema order (tensors as jax arrays) and is updated in place.
-    Arguments named by the lowering's promotion are cast to ``promote`` (a torch dtype or None);
-    ``key`` is the PRNG key of a random lowering; ``contiguous`` whether the lowering's
-    ``contiguity_of`` argument is C-contiguous. Returns (new values of the ``n_mut`` mutated
-    tensors, the ``n_new`` new outputs) -- a lowering returns the mutated arguments first.
-    """
-    if promote is not None:
-        for i in k.promote_idx:
-            v = values[i]
-            if v is None:
-                continue
-            if i in k.static:
-                # Static Scalars (static_scalars lowerings) are compiled-in Python numbers.
-                if k.kinds[i] in (_SCALAR, _OPT_SCALAR):
-                    values[i] = jnp.asarray(v, dtype=jax_dtype(promote))
-            else:
-                values[i] = _cast(v, promote)
-    kw = {}
-    if k.lowering.random:
-        kw["key"] = key
-    if k.lowering.contiguity_of is not None:
-        kw["contiguous"] = contiguous
-    if k.lowering.overwrites:
-        for i in k.mutated:
-            if isinstance(values[i], jax.Array):
-                values[i] = jnp.zeros(values[i].shape, values[i].dtype)
-    pos = [v for v, kwo in zip(values, k.kwarg_only) if not kwo]
-    kw.update({n: v for n, v, kwo in zip(k.arg_names, values, k.kwarg_only) if kwo})
-    result = k.lowering.fn(*pos, **kw)
-    if k.functional is not None and not isinstance(result, tuple):
-        # In-place forms of list ops (_foreach_add_) mutate every tensor of the list.
-        result = tuple(result) if isinstance(result, list) else (result,)
-    results = list(result) if isinstance(result, list | tuple) else [result]
-    # Mutated arguments come first in what a lowering returns, then new outputs.
-    mutated_vals = results[:n_mut] if k.mutated else []
-    new_vals = results[n_mut:] if k.mutated else results
-    if k.returns_list and len(new_vals) == 1 and isinstance(new_vals[0], list | tuple):
-        new_vals = list(new_vals[0])
-    if len(new_vals) != n_new or len(mutated_vals) != n_mut:
-        raise RuntimeError(
-            f"torchneuron: lowering of aten::{k.short_name} returned {len(results)} values; the "
-            f"schema needs {n_mut} mutated + {n_new} new outputs (a bug in the lowering)"
-        )
-    return mutated_vals, new_vals
-
-
-def _materialise(spec, bufs, rt):
-    if isinstance(spec, type):          # a runtime Python scalar
-        return next(rt)
-    tag = spec[0]
-    if tag == "empty":
-        return jnp.zeros(spec[2], dtype=jax_dtype(spec[1]))
-    if tag == "cpu-scalar":
-        return next(rt)
-    dtype, sizes, strides, offset, slot = spec
-    return layout.read(bufs[slot], jax_dtype(dtype), sizes, strides, offset)
-
-
-def _cast(value, dtype):
-    target = jax_dtype(dtype) if isinstance(dtype, torch.dtype) else dtype
-    if isinstance(value, jax.Array) or hasattr(value, "dtype"):
-        if jnp.iscomplexobj(value) and not jnp.issubdtype(target, jnp.complexfloating):
-            # A real result of a complex input (abs, angle) is computed from the complex value:
-            # casting the input to the real result type would drop its imaginary part.
-            target = jnp.result_type(target, jnp.complex64)
-        return value if value.dtype == target else value.astype(target)
-    return jnp.asarray(value, dtype=target)
 
 
 def _to_meta(v):
@@ -621,23 +419,7 @@ describe_args = _describe
 
 
 def _sharding(device_index: int):
-    from ..runtime import pjrt
     return jax.sharding.SingleDeviceSharding(pjrt.device(device_index))
-
-
-def _current_device() -> int:
-    from ..runtime import device as device_mod
-    return device_mod.current_device()
-
-
-def _output_device(values, kernel) -> int:
-    for name in ("device",):
-        i = kernel.index_of.get(name)
-        if i is not None and values[i] is not None:
-            dev = torch.device(values[i])
-            if dev.index is not None:
-                return dev.index
-    return _current_device()
 
 
 # -- tracing (torch.profiler ranges, readiness-report call sites) ---------------------------------

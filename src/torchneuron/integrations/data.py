@@ -10,12 +10,13 @@ itself. So for neuron the loader hands batches over unpinned, for every other de
 
 from __future__ import annotations
 
+import torch
+
 _original = None
 
 
 def _is_neuron(device) -> bool:
     if device is None:
-        import torch
         acc = torch.accelerator.current_accelerator()
         return acc is not None and acc.type == "neuron"
     return str(device).split(":", 1)[0] == "neuron"

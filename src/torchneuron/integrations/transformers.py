@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 import sys
 
+import torch
+
 from ._imports import when_imported
 
 # module defining the probe -> the probe's name
@@ -25,7 +27,6 @@ _PROBES = {
 
 
 def neuron_device_available() -> bool:
-    import torch
     return torch._C._get_privateuse1_backend_name() == "neuron" and torch.neuron.is_available()
 
 

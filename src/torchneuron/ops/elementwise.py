@@ -131,17 +131,19 @@ def pow_(self, exponent):
 
 
 @lowering("float_power.Tensor_Tensor", "float_power.Tensor_Scalar", "float_power.Scalar", promote="result",
-          promote_args=("self", "exponent"))
+          promote_args=("self", "exponent"), graph_only=True)
 def float_power(self, exponent):
     return jnp.power(self, exponent)
 
 
-@lowering("maximum.default", "max.other", promote="result", promote_args=("self", "other"))
+@lowering("max.other", promote="result", promote_args=("self", "other"), graph_only=True)
+@lowering("maximum.default", promote="result", promote_args=("self", "other"))
 def maximum(self, other):
     return jnp.maximum(self, other)
 
 
-@lowering("minimum.default", "min.other", promote="result", promote_args=("self", "other"))
+@lowering("min.other", promote="result", promote_args=("self", "other"), graph_only=True)
+@lowering("minimum.default", promote="result", promote_args=("self", "other"))
 def minimum(self, other):
     return jnp.minimum(self, other)
 
@@ -357,7 +359,12 @@ def digamma(x):
 
 # -- unary math ---------------------------------------------------------------------------------
 def _unary(name, fn, promote="result"):
-    lowering(f"{name}.default", promote=promote, promote_args=("self",))(fn)
+    lowering(f"{name}.default", promote=promote, promote_args=("self",),
+             graph_only=name in _COMPOSITE_UNARY)(fn)
+
+
+# CompositeImplicitAutograd in PyTorch: eager mode runs their decompositions.
+_COMPOSITE_UNARY = {"square", "conj_physical", "special_ndtr"}
 
 
 for _name, _fn in {
@@ -473,7 +480,7 @@ def silu(self):
     return self * jax.nn.sigmoid(self)
 
 
-@lowering("silu_backward.default", promote="result", promote_args=("grad_output", "self"))
+@lowering("silu_backward.default", promote="result", promote_args=("grad_output", "self"), graph_only=True)
 def silu_backward(grad_output, self):
     s = jax.nn.sigmoid(self)
     return grad_output * s * (1 + self * (1 - s))
@@ -561,7 +568,7 @@ def mish(self):
     return self * jnp.tanh(jax.nn.softplus(self))
 
 
-@lowering("mish_backward.default", promote="result", promote_args=("grad_output", "self"))
+@lowering("mish_backward.default", promote="result", promote_args=("grad_output", "self"), graph_only=True)
 def mish_backward(grad_output, self):
     sp = jax.nn.softplus(self)
     t = jnp.tanh(sp)
@@ -589,7 +596,8 @@ def hardshrink(self, lambd=0.5):
     return jnp.where(jnp.abs(self) > lambd, self, 0)
 
 
-@lowering("prelu.default", "_prelu_kernel.default", promote="result", promote_args=("self", "weight"))
+@lowering("prelu.default", promote="result", promote_args=("self", "weight"), graph_only=True)
+@lowering("_prelu_kernel.default", promote="result", promote_args=("self", "weight"))
 def prelu(self, weight):
     if weight.ndim == 1 and self.ndim >= 2:
         weight = weight.reshape((1, -1) + (1,) * (self.ndim - 2))

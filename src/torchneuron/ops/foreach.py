@@ -1,5 +1,6 @@
-"""``_foreach_*``: one executable for a whole list of tensors (what optimizers and grad clipping
-call), instead of PyTorch's composite fallback of one op -- one executable launch -- per tensor.
+"""``_foreach_*`` and the fused optimizer steps (``_fused_adam(w)_``): one executable for a whole
+list of tensors (what optimizers and grad clipping call), instead of PyTorch's composite fallback
+of one op -- one executable launch -- per tensor.
 
 Each list op applies the registered lowering of its single-tensor counterpart to every element,
 so the math (integer rounding, NaN rules...) is the same as ``torch.add`` & co. Scalars and
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from ..runtime.dtypes import jax_dtype
 from . import registry
 from .numerics import compute_dtype
 from .registry import lowering
@@ -172,7 +174,6 @@ def foreach_norm(self, ord=2, dtype=None):
 
 @lowering("_foreach_powsum.Scalar", static_scalars=True)
 def foreach_powsum(self, ord=2, dtype=None):
-    from ..runtime.dtypes import jax_dtype
     out = []
     for x in self:
         a = jnp.abs(x.astype(jax_dtype(dtype)) if dtype is not None else x)
@@ -190,3 +191,66 @@ def foreach_max(self):
 def foreach_mm(self, mat2):
     mm = _fn("mm.default")
     return [mm(*_promoted(a, b)) for a, b in zip(self, mat2)]
+
+
+# -- fused optimizer steps -------------------------------------------------------------------------
+def _fused_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, beta1, beta2,
+                weight_decay, eps, amsgrad, maximize, grad_scale, found_inf, decoupled):
+    """torch's fused Adam/AdamW step (``_fused_adam(w)_``), the arithmetic of its CPU kernel.
+
+    Returns the new values of every mutated list, flattened in schema order: params, grads,
+    exp_avgs, exp_avg_sqs, max_exp_avg_sqs. ``state_steps`` were already incremented by the
+    optimizer. With ``found_inf`` set (AMP overflow) nothing changes but the unscaled grads.
+    """
+    new_p, new_g, new_m, new_v, new_vmax = [], [], [], [], []
+    skip = None if found_inf is None else (found_inf.reshape(()) == 1)
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        work = jnp.float32 if jnp.finfo(p.dtype).bits < 32 else p.dtype
+        pw, gw, mw, vw = (x.astype(work) for x in (p, g, m, v))
+        if grad_scale is not None:
+            gw = gw / grad_scale.reshape(()).astype(work)
+        new_g.append(gw.astype(g.dtype))
+        d = -gw if maximize else gw
+        if weight_decay != 0:
+            if decoupled:
+                pw = pw * (1 - lr * weight_decay)
+            else:
+                d = d + weight_decay * pw
+        step = state_steps[i].reshape(()).astype(work)
+        mw = mw + (1 - beta1) * (d - mw)
+        vw = beta2 * vw + (1 - beta2) * d * d
+        bias1 = 1 - jnp.power(jnp.asarray(beta1, work), step)
+        bias2_sqrt = jnp.sqrt(1 - jnp.power(jnp.asarray(beta2, work), step))
+        if amsgrad:
+            vmax = jnp.maximum(max_exp_avg_sqs[i].astype(work), vw)
+            new_vmax.append(vmax)
+            denom = jnp.sqrt(vmax) / bias2_sqrt + eps
+        else:
+            denom = jnp.sqrt(vw) / bias2_sqrt + eps
+        pw = pw - (lr / bias1) * mw / denom
+        new_p.append(pw)
+        new_m.append(mw)
+        new_v.append(vw)
+
+    def keep(new, old):
+        new = [n.astype(o.dtype) for n, o in zip(new, old)]
+        return new if skip is None else [jnp.where(skip, o, n) for n, o in zip(new, old)]
+
+    vmax_old = list(max_exp_avg_sqs)[: len(new_vmax)]
+    return (*keep(new_p, params), *new_g, *keep(new_m, exp_avgs), *keep(new_v, exp_avg_sqs),
+            *keep(new_vmax, vmax_old), *list(max_exp_avg_sqs)[len(new_vmax):])
+
+
+def _fused_adam_lowering(decoupled):
+    def lower(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1, beta2,
+              weight_decay, eps, amsgrad, maximize, grad_scale=None, found_inf=None):
+        if hasattr(lr, "reshape"):
+            lr = lr.reshape(())
+        return _fused_adam(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, beta1, beta2,
+                           weight_decay, eps, amsgrad, maximize, grad_scale, found_inf, decoupled)
+    return lower
+
+
+# Trainer's default optimizer (adamw_torch_fused) and Adam/AdamW(fused=True).
+lowering("_fused_adamw_.default", "_fused_adamw_.tensor_lr", derive_variants=False)(_fused_adam_lowering(True))
+lowering("_fused_adam_.default", "_fused_adam_.tensor_lr", derive_variants=False)(_fused_adam_lowering(False))

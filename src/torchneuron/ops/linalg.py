@@ -5,9 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
+import numpy as np
 from jax import lax
 from jax._src.lax import linalg as lax_linalg  # geqrf is not re-exported by jax.lax.linalg
 
+from ..runtime.dtypes import jax_dtype
 from .numerics import compute_dtype
 from .registry import lowering
 
@@ -85,7 +87,6 @@ def addr(self, vec1, vec2, *, beta=1, alpha=1):
 
 @lowering("_addmm_activation.default", promote="common", promote_args=("self", "mat1", "mat2"))
 def addmm_activation(self, mat1, mat2, *, beta=1, alpha=1, use_gelu=False):
-    import jax
     out = addmm(self, mat1, mat2, beta=beta, alpha=alpha)
     return jax.nn.gelu(out, approximate=True) if use_gelu else jnp.maximum(out, 0)
 
@@ -491,7 +492,6 @@ def cdist_backward(grad, x1, x2, p, cdist):
 
 
 def _upper_pairs(n):
-    import numpy as np
     i, j = np.triu_indices(n, 1)
     return i, j
 
@@ -516,3 +516,51 @@ def pdist_backward(grad, self, p, pdist):
     i, j = _upper_pairs(self.shape[0])
     g = grad[:, None] * _distance_grad(self[i] - self[j], pdist, p)
     return jnp.zeros_like(self).at[i].add(g).at[j].add(-g)
+
+
+# -- grouped matmuls ------------------------------------------------------------------------------
+# transformers' grouped_mm experts implementation multiplies each mixture-of-experts expert's
+# contiguous block of rows with torch._grouped_mm.
+def _group_ids(offs, n, groups):
+    """Group of each of ``n`` positions given cumulative group ends ``offs`` (``groups`` = past the end)."""
+    return jnp.searchsorted(offs.astype(jnp.int32), jnp.arange(n, dtype=jnp.int32), side="right")
+
+
+def _acc(dtype):
+    return jnp.float32 if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32 else None
+
+
+@lowering("_grouped_mm.default", shape_from_lowering=True)
+def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
+    result_dtype = jax_dtype(out_dtype) if out_dtype is not None else self.dtype
+    acc = _acc(self.dtype)
+    a, b = self, mat2
+    if a.ndim == 3 and b.ndim == 3:          # a batch of independent matmuls
+        out = jnp.matmul(a, b, preferred_element_type=acc)
+        if bias is not None:
+            out = out + bias[:, None, :]
+    elif a.ndim == 2 and b.ndim == 3:        # rows of `a` grouped by offs, one weight per group
+        groups = b.shape[0]
+        sizes = jnp.diff(jnp.concatenate([jnp.zeros((1,), jnp.int32), offs.astype(jnp.int32)]))
+        # Rows past the last offset belong to no group: ragged_dot leaves them zero.
+        out = jax.lax.ragged_dot(a, b, sizes, preferred_element_type=acc)
+        if bias is not None:
+            gid = _group_ids(offs, a.shape[0], groups)
+            out = out + jnp.where((gid < groups)[:, None], bias[jnp.minimum(gid, groups - 1)], 0)
+    elif a.ndim == 2 and b.ndim == 2:        # the contraction dim grouped: one output per group
+        groups = offs.shape[0]
+        gid = _group_ids(offs, a.shape[1], groups)
+        onehot = (gid[None, :] == jnp.arange(groups)[:, None]).astype(a.dtype)
+        out = jnp.einsum("mk,gk,kn->gmn", a, onehot, b, preferred_element_type=acc)
+        if bias is not None:
+            out = out + bias[:, None, :]
+    elif a.ndim == 3 and b.ndim == 2:        # columns of `b` grouped, one left matrix per group
+        groups = a.shape[0]
+        gid = _group_ids(offs, b.shape[1], groups)
+        onehot = (gid[None, :] == jnp.arange(groups)[:, None]).astype(a.dtype)
+        out = jnp.einsum("gmk,kn,gn->mn", a, b, onehot, preferred_element_type=acc)
+        if bias is not None:
+            out = out + jnp.where((gid < groups)[None, :], bias[jnp.minimum(gid, groups - 1), jnp.arange(b.shape[1])], 0)
+    else:
+        raise ValueError(f"_grouped_mm: unsupported operand ranks {a.ndim}D x {b.ndim}D")
+    return out.astype(result_dtype)

@@ -566,7 +566,7 @@ def mse_loss_backward(grad_output, self, target, reduction):
     return grad_output * (self - target) * scale
 
 
-@lowering("l1_loss.default", promote="result", promote_args=("self", "target"))
+@lowering("l1_loss.default", promote="result", promote_args=("self", "target"), graph_only=True)
 def l1_loss(self, target, reduction=1):
     return reduce_loss(jnp.abs(self - target), reduction)
 

@@ -1,4 +1,4 @@
-"""Reductions, scans, sorting and top-k."""
+"""Reductions, scans, sorting, top-k and histograms."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..runtime.dtypes import jax_dtype
 from .numerics import compute_dtype
 from .registry import lowering
 
@@ -27,7 +28,6 @@ def _accumulate(x, dtype=None):
     A ``dtype=`` argument converts the input first (so its rounding is ATen's) and is accumulated
     the same way; the kernel casts the result to the op's output dtype."""
     if dtype is not None:
-        from ..runtime.dtypes import jax_dtype
         x = x.astype(jax_dtype(dtype))
     dt = x.dtype
     if dt == jnp.bool_ or jnp.issubdtype(dt, jnp.integer):
@@ -60,7 +60,7 @@ def mean_all(self, *, dtype=None):
     return jnp.mean(_accumulate(self, dtype))
 
 
-@lowering("nanmean.default")
+@lowering("nanmean.default", graph_only=True)
 def nanmean(self, dim=None, keepdim=False, *, dtype=None):
     return jnp.nanmean(_accumulate(self, dtype), axis=dims(dim, self.ndim), keepdims=keepdim)
 
@@ -327,7 +327,7 @@ def sort_stable(self, *, stable=False, dim=-1, descending=False):
     return jnp.take_along_axis(x, idx, axis=dim), idx
 
 
-@lowering("argsort.stable")
+@lowering("argsort.stable", graph_only=True)
 def argsort_stable(self, *, stable, dim=-1, descending=False):
     return sort_stable(self, stable=stable, dim=dim, descending=descending)[1]
 
@@ -674,3 +674,28 @@ def hash_tensor(self, dim=(), *, keepdim=False, mode=0):
     if keepdim:
         out = out.reshape([1 if d in axes else s for d, s in enumerate(self.shape)])
     return out
+
+
+# -- histograms ------------------------------------------------------------------------------------
+# transformers counts tokens per mixture-of-experts expert with torch.histc on integer expert ids.
+@lowering("histc.default")
+def histc(self, bins=100, min=0, max=0):
+    x = self.reshape(-1)
+    work = jnp.float32 if not jnp.issubdtype(self.dtype, jnp.floating) or jnp.finfo(self.dtype).bits < 32 \
+        else self.dtype
+    x = x.astype(work)
+    lo = jnp.asarray(min, work)
+    hi = jnp.asarray(max, work)
+    # min == max: the data's own range; a degenerate range is widened by 1 on each side (PyTorch).
+    auto = lo == hi
+    if x.size:
+        lo = jnp.where(auto, jnp.min(x), lo)
+        hi = jnp.where(auto, jnp.max(x), hi)
+    same = lo == hi
+    lo = jnp.where(same, lo - 1, lo)
+    hi = jnp.where(same, hi + 1, hi)
+    inside = (x >= lo) & (x <= hi)
+    pos = jnp.floor((x - lo) * bins / (hi - lo)).astype(jnp.int32)
+    pos = jnp.clip(pos, 0, bins - 1)         # x == max belongs to the last bin
+    counts = jnp.zeros((bins,), jnp.int32).at[pos].add(inside.astype(jnp.int32), mode="drop")
+    return counts.astype(self.dtype)

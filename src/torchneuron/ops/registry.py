@@ -5,7 +5,8 @@ mirrors its ATen schema: tensors arrive as ``jax.Array``s (already materialised 
 ``Scalar``s as traced JAX scalars, everything else as plain Python values. It returns the op's
 outputs (for an in-place or ``out=`` op registered under its own name: the new values of the
 mutated arguments). Dtype promotion, output casting, ``out=`` and in-place variants are handled by
-the caller (``torchneuron.eager.kernel``), so a lowering holds only the math.
+the one calling convention every caller shares (``ops.signature``), so a lowering holds only the
+math.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Lowering:
     name: str                      # ATen overload, e.g. "add.Tensor"
     fn: Callable
@@ -32,8 +33,10 @@ class Lowering:
     derive_variants: bool = True
     # Arguments the op mutates although its schema does not say so (legacy native_batch_norm).
     mutates: tuple[str, ...] = ()
-    # Only for graphs (torch.compile): view ops are metadata-only in eager mode, where PyTorch's
-    # own kernels build them over the same storage, so they get no eager kernel.
+    # Only for graphs (torch.compile); eager mode never calls it: view ops are metadata-only there
+    # (PyTorch's own kernels build them over the same storage), and CompositeImplicitAutograd ops
+    # run their decomposition. Registering a lowering that eager mode would silently ignore without
+    # this flag is an error (``signature.lowers_in_eager``).
     graph_only: bool = False
     # PJRT platforms whose JAX lowering of this op exists (e.g. LAPACK-only custom calls); None: all.
     # Elsewhere the op gets no kernel and runs through the explicit, counted CPU fallback.
@@ -55,10 +58,12 @@ def lowering(*names: str, promote: str | None = None, promote_args=None, static_
     """Register ``fn`` as the lowering of each ATen overload in ``names`` ("add.Tensor")."""
     def register(fn):
         for name in names:
-            add(Lowering(name, fn, promote, tuple(promote_args) if promote_args else None,
-                         static_scalars, random, overwrites, derive_variants, tuple(mutates),
-                         graph_only, tuple(platforms) if platforms else None, shape_from_lowering,
-                         contiguity_of))
+            add(Lowering(name=name, fn=fn, promote=promote,
+                         promote_args=tuple(promote_args) if promote_args else None,
+                         static_scalars=static_scalars, random=random, overwrites=overwrites,
+                         derive_variants=derive_variants, mutates=tuple(mutates), graph_only=graph_only,
+                         platforms=tuple(platforms) if platforms else None,
+                         shape_from_lowering=shape_from_lowering, contiguity_of=contiguity_of))
         return fn
     return register
 

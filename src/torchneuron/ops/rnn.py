@@ -6,26 +6,25 @@ runs one matmul and a handful of pointwise ops per time step and layer, each a s
 directions, inter-layer dropout -- is one pure JAX function: the input projections of all time
 steps as one matmul per layer and direction, the recurrence as a ``lax.scan``.
 
-* The ATen names (``lstm.input`` ...) are registered as lowerings for graphs.
-* Eager mode: ``install(lib)`` registers an ``AutogradPrivateUse1`` kernel for those ops (they are
-  composite, so a plain backend kernel would never be reached with autograd on). It runs the
-  forward as the custom op ``torchneuron::rnn`` (which also returns the dropout PRNG key) and the
-  backward as ``torchneuron::rnn_backward``: the VJP of the same function, replaying the same
-  dropout masks -- so forward and gradient cannot disagree.
+* The ATen names (``lstm.input`` ...) are registered as lowerings for graphs (``graph_only``: they
+  are CompositeImplicitAutograd, so eager mode never reaches a backend kernel for them).
+* ``rnn_fused`` / ``rnn_fused_backward`` are the bodies of eager mode's custom ops (``eager/rnn.py``):
+  the forward also returns its dropout PRNG key, and the backward is the VJP of the same function,
+  replaying the same dropout masks -- so forward and gradient cannot disagree.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import torch
 from jax import lax
 
 from .numerics import compute_dtype
-from .registry import Lowering, lowering
+from .registry import lowering
 
 _HIGHEST = lax.Precision.HIGHEST
-_GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+# Gates per cell of each recurrent mode.
+GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 
 
 def _matmul_t(x, w):
@@ -129,8 +128,8 @@ def rnn_stack(mode, input, hx, params, has_biases, num_layers, dropout, train, b
     return cast(out), cast(h_n), (cast(c_n) if c_n is not None else None)
 
 
-# -- ATen forms (used by torch.compile graphs; eager goes through install()) ---------------------
-@lowering("lstm.input", random=True)
+# -- ATen forms (used by torch.compile graphs; eager goes through eager/rnn.py) --------------------
+@lowering("lstm.input", random=True, graph_only=True)
 def lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first, *, key):
     return rnn_stack("lstm", input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
                      batch_first, key)
@@ -146,17 +145,10 @@ def _single_hidden(mode):
 
 
 for _mode in ("gru", "rnn_tanh", "rnn_relu"):
-    lowering(f"{_mode}.input", random=True)(_single_hidden(_mode))
+    lowering(f"{_mode}.input", random=True, graph_only=True)(_single_hidden(_mode))
 
 
-# -- eager: fused forward/backward custom ops + the autograd kernel -------------------------------
-_DEF = torch.library.Library("torchneuron", "DEF")
-_ARGS = ("str mode, Tensor input, Tensor[] hx, Tensor[] params, bool has_biases, int num_layers, "
-         "float dropout, bool train, bool bidirectional, bool batch_first")
-_DEF.define(f"rnn({_ARGS}) -> Tensor[]")
-_DEF.define(f"rnn_backward(Tensor[] grads, Tensor key_data, {_ARGS}) -> Tensor[]")
-
-
+# -- the fused forward and backward (eager mode's torchneuron::rnn / rnn_backward, see eager/rnn.py)
 def _key_from(key_data):
     return jax.random.wrap_key_data(key_data.astype(jnp.uint32))
 
@@ -184,71 +176,3 @@ def rnn_fused_backward(grads, key_data, mode, input, hx, params, has_biases, num
     cots = tuple(g.astype(p.dtype) for g, p in zip(grads, primal))
     gx, gh, gp = vjp(cots)
     return [gx, *gh, *gp]
-
-
-_FORWARD = Lowering("rnn", rnn_fused, random=True, derive_variants=False, shape_from_lowering=True)
-_BACKWARD = Lowering("rnn_backward", rnn_fused_backward, derive_variants=False, shape_from_lowering=True)
-_kernels: dict = {}
-
-
-def _kernel(which):
-    k = _kernels.get(which)
-    if k is None:
-        from ..eager.kernel import Kernel
-        k = _kernels[which] = (Kernel(torch.ops.torchneuron.rnn.default, _FORWARD) if which == "forward"
-                               else Kernel(torch.ops.torchneuron.rnn_backward.default, _BACKWARD))
-    return k
-
-
-class _FusedRNN(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, config, input, n_hx, *tensors):
-        mode, has_biases, num_layers, dropout, train, bidirectional, batch_first = config
-        hx, params = list(tensors[:n_hx]), list(tensors[n_hx:])
-        outs = _kernel("forward")(mode, input, hx, params, has_biases, num_layers, dropout, train,
-                                  bidirectional, batch_first)
-        *results, key_data = outs
-        ctx.config, ctx.n_hx = config, n_hx
-        ctx.save_for_backward(input, key_data, *tensors)
-        return tuple(results)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        input, key_data, *tensors = ctx.saved_tensors
-        n_hx = ctx.n_hx
-        hx, params = tensors[:n_hx], tensors[n_hx:]
-        mode, has_biases, num_layers, dropout, train, bidirectional, batch_first = ctx.config
-        full = [g if g is not None else torch.zeros_like(ref) for g, ref in
-                zip(grads, _reference_outputs(ctx, input, hx))]
-        out = _kernel("backward")(full, key_data, mode, input, list(hx), list(params), has_biases, num_layers,
-                                  dropout, train, bidirectional, batch_first)
-        return (None, out[0], None, *out[1:])
-
-
-def _reference_outputs(ctx, input, hx):
-    """Empty tensors shaped like each forward output (for gradients autograd passes as None)."""
-    mode, has_biases, num_layers, dropout, train, bidirectional, batch_first = ctx.config
-    h0 = hx[0]
-    dirs = 2 if bidirectional else 1
-    hidden = h0.shape[-1]
-    out_shape = tuple(input.shape[:-1]) + (hidden * dirs,)
-    refs = [input.new_empty(out_shape), torch.empty_like(h0)]
-    if mode == "lstm":
-        refs.append(torch.empty_like(hx[1]))
-    return refs
-
-
-def _autograd_kernel(mode):
-    def kernel(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
-        hx_list = list(hx) if mode == "lstm" else [hx]
-        config = (mode, has_biases, num_layers, float(dropout), train, bidirectional, batch_first)
-        outs = _FusedRNN.apply(config, input, len(hx_list), *hx_list, *params)
-        return tuple(outs)
-    return kernel
-
-
-def install(lib) -> None:
-    """Route aten::lstm/gru/rnn_tanh/rnn_relu on neuron tensors to the fused kernels (eager)."""
-    for mode in _GATES:
-        lib.impl(f"{mode}.input", _autograd_kernel(mode), "AutogradPrivateUse1")
-        lib.impl(f"{mode}.input", _autograd_kernel(mode), "PrivateUse1")

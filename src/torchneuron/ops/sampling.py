@@ -190,7 +190,7 @@ def _register(name, nd, mode, has_align):
             _, vjp = jax.vjp(lambda x: _upsample(x, output_size, mode, align_corners, scales), zeros)
             return vjp(grad_output)[0]
 
-        @lowering(f"{name}.vec")
+        @lowering(f"{name}.vec", graph_only=True)   # CompositeImplicitAutograd
         def vec(input, output_size, align_corners, scale_factors):
             sizes, scales = _vec_sizes(input, output_size, scale_factors, nd)
             return _upsample(input, sizes, mode, align_corners, scales)
@@ -205,7 +205,7 @@ def _register(name, nd, mode, has_align):
             _, vjp = jax.vjp(lambda x: _upsample(x, output_size, mode, False, scales), zeros)
             return vjp(grad_output)[0]
 
-        @lowering(f"{name}.vec")
+        @lowering(f"{name}.vec", graph_only=True)   # CompositeImplicitAutograd
         def vec(input, output_size, scale_factors):
             sizes, scales = _vec_sizes(input, output_size, scale_factors, nd)
             return _upsample(input, sizes, mode, False, scales)

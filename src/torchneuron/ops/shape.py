@@ -7,6 +7,7 @@ import numpy as np
 import torch
 from jax import lax
 
+from ..runtime import layout
 from . import registry
 from .registry import lowering
 
@@ -101,7 +102,6 @@ def diagonal_scatter(self, src, offset=0, dim1=0, dim2=1):
 
 @lowering("as_strided_scatter.default", promote="result", promote_args=("self", "src"))
 def as_strided_scatter(self, src, size, stride, storage_offset=None):
-    from ..eager import layout
     flat = self.reshape(-1)
     out = layout.write(flat, src, flat.dtype, tuple(size), tuple(stride), storage_offset or 0)
     return out.reshape(self.shape)
@@ -143,4 +143,4 @@ for _copy, _view in {
     "diagonal_copy.default": "diagonal.default", "unfold_copy.default": "unfold.default",
     "as_strided_copy.default": "as_strided.default",
 }.items():
-    registry.add(registry.Lowering(_copy, _copy_of_view(_view), derive_variants=False))
+    registry.add(registry.Lowering(name=_copy, fn=_copy_of_view(_view), derive_variants=False))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..runtime import layout
 from ..runtime.dtypes import jax_dtype
 from .registry import lowering
 
@@ -44,7 +45,6 @@ def reshape_alias(self, size, stride):
 
 @lowering("view.dtype", graph_only=True)
 def view_dtype(self, dtype):
-    from ..eager import layout
     target = np.dtype(jax_dtype(dtype))
     if target == self.dtype:
         return self
@@ -142,7 +142,6 @@ def alias(self):
 def as_strided(self, size, stride, storage_offset=None):
     # Sizes and strides index the storage; inside a graph the storage of ``self`` is taken to be its
     # contiguous flattening (the compile interpreter rebuilds it first when it is not).
-    from ..eager import layout
     return layout.read(self.reshape(-1), self.dtype, tuple(size), tuple(stride), storage_offset or 0)
 
 

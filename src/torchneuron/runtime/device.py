@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import gc
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -59,6 +61,14 @@ def current_device() -> int:
     return getattr(_state, "index", 0)
 
 
+def device_mismatch_error(other: torch.Tensor, device_index: int) -> RuntimeError:
+    # Same text as PyTorch's CUDA check, so users recognise it.
+    return RuntimeError(
+        "Expected all tensors to be on the same device, but found at least two devices, "
+        f"neuron:{device_index} and {other.device}!"
+    )
+
+
 def set_device(device) -> None:
     _state.index = _index(device)
 
@@ -82,8 +92,7 @@ class device:  # noqa: N801 - mirrors torch.cuda.device
 
 def synchronize(device=None) -> None:
     """Wait until every pending computation on neuron buffers has finished."""
-    from ..eager import adaptive
-    adaptive.flush("synchronize")
+    memory.flush_pending("synchronize")
     for rec in list(memory.allocator.records.values()):
         buf = rec.buf
         if buf is not None:
@@ -115,7 +124,6 @@ def get_device_properties(device=None) -> DeviceProperties:
     except Exception:
         total = 0
     if not total:
-        import os
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return DeviceProperties(get_device_name(index), dev.platform, dev.device_kind, index, total,
                             pjrt.platform_version())
@@ -198,7 +206,6 @@ def max_memory_reserved(device=None) -> int:
 
 def empty_cache() -> None:
     """Free compiled executables held only by caches; device buffers are freed with their storages."""
-    import gc
     gc.collect()
 
 

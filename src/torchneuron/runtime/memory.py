@@ -18,10 +18,12 @@ import struct
 import threading
 import weakref
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
+from . import pjrt
 from .dtypes import jax_dtype
 
 _KDL_EXT_DEV = 12
@@ -190,8 +192,15 @@ class _Pending:
 
 
 PENDING = _Pending()
-# Set by adaptive eager: runs the pending region so that PENDING buffers become real.
-flush_pending = None
+
+
+def _nothing_pending(reason: str) -> None:
+    pass
+
+
+# Runs pending deferred work (adaptive eager's recorded region) so that PENDING buffers become real
+# and later reads/writes see it; ``reason`` is counted. Replaced by eager/adaptive.py on import.
+flush_pending = _nothing_pending
 
 
 def empty_buffer(rec: StorageRecord):
@@ -205,14 +214,10 @@ def empty_buffer(rec: StorageRecord):
 
 
 def pjrt_device(device_index: int):
-    from . import pjrt
     return pjrt.device(device_index)
 
 
 def jax_put(array, device_index: int):
-    import jax
-
-    from . import pjrt
     # Never alias host memory: on the CPU platform PJRT could otherwise share the numpy buffer,
     # and a later in-place write to the source CPU tensor would show up on the device.
     return jax.device_put(array, pjrt.device(device_index), may_alias=False)

@@ -2,7 +2,7 @@
 
 These are not lowerings (a compiled executable needs static shapes): each is a short composition
 of lowered ops that runs on neuron, with exactly one host read -- the positions where a new value
-starts (``nonzero``, counted as a device->host copy like every host read). ``eager.registration``
+starts (``nonzero``, counted as a device->host copy like every host read). ``registration``
 installs them next to ``host_ops``; under torch.compile these ops are graph breaks, as on CUDA.
 """
 

@@ -1,0 +1,104 @@
+"""Compiled graphs, cached twice: in memory for the process, and on disk (``compile.cache``).
+
+The same graph on the same input signature (a re-created torch.compile, a Dynamo recompile that
+traced an identical graph) reuses the executable: no trace, no compile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import jax
+
+from ..metrics import metrics
+from ..runtime import pjrt
+from . import cache
+
+
+class Executable:
+    __slots__ = ("call", "n_new", "n_host", "writes", "host_writes", "name")
+
+    def __init__(self, call, n_new, n_host, writes, host_writes, name):
+        self.call = call
+        self.n_new = n_new              # new device outputs, first in the results
+        self.n_host = n_host            # then outputs that live on the CPU
+        self.writes = writes            # then new buffers of written storages (slot indices)
+        self.host_writes = host_writes  # then new values of mutated CPU inputs (input indices)
+        self.name = name
+
+    def meta(self) -> dict:
+        return {"n_new": self.n_new, "n_host": self.n_host, "writes": self.writes,
+                "host_writes": self.host_writes, "name": self.name}
+
+
+# (graph hash, input signature, device) -> executable, shared by every GraphProgram in the process.
+_shared: dict = {}
+
+
+def clear_cache() -> None:
+    """Forget in-memory graph executables (the persistent cache on disk stays)."""
+    _shared.clear()
+
+
+def digest(key) -> str:
+    return hashlib.sha256(repr(key).encode()).hexdigest()
+
+
+def cached(graph_hash, key, device_index, need_trace: bool):
+    """The executable of this graph and input signature from memory, else from the on-disk index
+    (unless ``need_trace``: dumps need the StableHLO), else None."""
+    shared_key = (graph_hash, key, device_index)
+    exe = _shared.get(shared_key)
+    if exe is not None:
+        metrics.extra["graph_memory_cache_hits"] += 1
+        return exe
+    if need_trace:
+        return None
+    start = time.perf_counter()
+    loaded = cache.load_graph(_disk_key(graph_hash, key, device_index), pjrt.devices())
+    if loaded is None:
+        return None
+    compiled, meta = loaded
+    seconds = time.perf_counter() - start
+    metrics.compile_seconds += seconds
+    metrics.extra["graph_compile_seconds"] += seconds
+    metrics.extra["graph_persistent_cache_hits"] += 1
+    metrics.extra["graph_index_hits"] += 1
+    exe = Executable(compiled, meta["n_new"], meta["n_host"], tuple(meta["writes"]),
+                     tuple(meta["host_writes"]), meta["name"])
+    _shared[shared_key] = exe
+    return exe
+
+
+def compile_traced(fn, bufs, runtime):
+    """(lowered, compiled, persistent-cache hits) of ``fn`` traced on the call's inputs; the time
+    it takes is counted as compile time."""
+    start = time.perf_counter()
+    with cache.graph_compile_context() as hits:
+        lowered = jax.jit(fn).lower(*bufs, *runtime)
+        compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    metrics.compile_seconds += seconds
+    metrics.extra["graph_compile_seconds"] += seconds
+    if hits.count:
+        metrics.extra["graph_persistent_cache_hits"] += 1
+    else:
+        metrics.graphs_compiled += 1
+        metrics.executables_compiled += 1
+    return lowered, compiled, hits.count
+
+
+def remember(graph_hash, key, device_index, exe: Executable, compiled, from_jax_cache: bool) -> None:
+    """Keep a new executable in memory, and on disk when XLA compiled it just now."""
+    if not from_jax_cache:
+        # Only a freshly compiled executable goes into the index: one that XLA deserialized
+        # from JAX's cache serializes again without its fused CPU kernels, and loading that
+        # entry later fails at run time ("Function ... not found").
+        cache.store_graph(_disk_key(graph_hash, key, device_index), compiled, exe.meta())
+    _shared[(graph_hash, key, device_index)] = exe
+
+
+def _disk_key(graph_hash, key, device_index) -> str:
+    return cache.graph_key(graph_hash, key, device_index or 0)
+

@@ -1,0 +1,291 @@
+"""What ``jax.jit`` traces for a graph: its FX nodes evaluated one by one on jax arrays.
+
+Each node runs its registry lowering through the calling convention eager kernels use
+(``ops.signature``: binding, promotion, casts, returns); output dtypes come from the nodes' fake
+tensors (``meta['val']``) under the float64 policy. Inputs are read from their storage buffers
+exactly as eager kernels read them, and mutated inputs are written back into their storages.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from ..metrics import metrics
+from ..ops.signature import cast, cast_and_broadcast, read_input
+from ..runtime import layout, memory, transfers
+from ..runtime.device import device_mismatch_error
+from ..runtime.dtypes import device_dtype, jax_dtype
+from .errors import NodeFailure, meta_of
+from .outputs import static_value
+
+_records = memory.allocator.records
+
+
+class Step:
+    """One node to evaluate: ``kind`` is op/index_put (``signature`` an OpSignature), foreach
+    (``signature`` a ForeachPlan), getitem or sym."""
+
+    __slots__ = ("node", "kind", "signature")
+
+    def __init__(self, node, kind, signature=None):
+        self.node, self.kind, self.signature = node, kind, signature
+
+    @property
+    def random(self) -> bool:
+        sig = self.signature.base if self.kind == "foreach" else self.signature
+        return sig is not None and sig.lowering.random
+
+
+def call_signature(args):
+    """Buffers, runtime values, the cache-key specs and the device of one call's inputs."""
+    bufs, addrs, runtime, specs = [], [], [], []
+    slots = {}
+    device_index = None
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            dev = a.device.type
+            if dev == "neuron":
+                if a.numel() == 0:
+                    specs.append(("empty", a.dtype, tuple(a.shape)))
+                    continue
+                addr = a.untyped_storage().data_ptr()
+                rec = _records.get(addr)
+                if rec is None:
+                    memory.record_of(a)       # raises the freed-storage error
+                if device_index is None:
+                    device_index = rec.device_index
+                elif rec.device_index != device_index:
+                    raise device_mismatch_error(a, device_index)
+                slot = slots.get(addr)
+                if slot is None:
+                    slot = slots[addr] = len(bufs)
+                    bufs.append(memory.empty_buffer(rec))  # also runs a pending adaptive region
+                    addrs.append(addr)
+                specs.append((a.dtype, tuple(a.shape), a.stride(), a.storage_offset(), slot, rec.numel))
+            elif dev == "cpu":
+                host = transfers.host_array(a)      # uploaded by the call: counted as a copy
+                metrics.h2d_copies += 1
+                metrics.h2d_bytes += host.nbytes
+                runtime.append(host)
+                specs.append(("host", a.dtype, tuple(a.shape)))
+            else:
+                raise RuntimeError(
+                    f"torchneuron: a torch.compile(backend=\"neuron\") graph got an input on {a.device}; "
+                    "move it to the neuron device (or to the CPU) first.")
+        elif a is None:
+            specs.append(None)
+        elif isinstance(a, bool | int | torch.SymInt):
+            # Integers shape things: compiled in.
+            specs.append(("int", int(a)))
+        elif isinstance(a, float | torch.SymFloat):
+            runtime.append(float(a))
+            specs.append(float)
+        else:
+            specs.append(("const", a))
+    return bufs, addrs, runtime, specs, device_index
+
+
+class Interpreter:
+    """The graph as a pure function of (storage buffers..., runtime values...). After tracing,
+    ``writes`` and ``host_writes`` say which results are new buffers of written storages and new
+    values of mutated CPU inputs."""
+
+    def __init__(self, program, specs, nbufs):
+        self.p = program
+        self.specs = specs
+        self.nbufs = nbufs
+        self.writes = ()
+        self.host_writes = ()
+
+    def __call__(self, *flat):
+        p = self.p
+        bufs = flat[: self.nbufs]
+        rt = iter(flat[self.nbufs:])
+        env = {}
+        for ph, spec in zip(p.placeholders, self.specs):
+            env[ph] = read_input(spec, bufs, rt)
+        for node, value in p.constants.items():
+            env[node] = jnp.asarray(value)
+        base_key = None
+        if p.random:
+            seed, offset = next(rt), next(rt)
+            base_key = jax.random.fold_in(jax.random.key(seed), offset)
+        self.mutations = {}
+        self.ph_index = {ph: i for i, ph in enumerate(p.placeholders)}
+        for n, step in enumerate(p.steps):
+            try:
+                self._run(step, env, base_key, n)
+            except NodeFailure:
+                raise
+            except Exception as err:  # noqa: BLE001 - reported with the node that failed
+                raise NodeFailure(step.node, err) from err
+        outputs = []
+        for kind, what, dtype, sizes, strides in p.output_plan.buffers:
+            if kind == "node":
+                value = cast_and_broadcast(env[what], dtype, what.meta["val"].shape)
+                outputs.append(layout.to_layout(value, sizes, strides))
+                continue
+            storage = jnp.zeros(sizes, jax_dtype(dtype))
+            for node, vsizes, vstrides, voffset in what:
+                value = cast_and_broadcast(env[node], dtype, vsizes)
+                storage = layout.write(storage, value, jax_dtype(dtype), vsizes, vstrides, voffset)
+            outputs.append(storage)
+        host = [jnp.asarray(env[node]) for node in p.output_plan.host_outputs]
+        # Input mutations: device storages get their new buffers, CPU inputs their new values.
+        new_bufs = {}
+        host_writes = []
+        for i, value in self.mutations.items():
+            spec = self.specs[i]
+            if spec is None or spec[0] == "empty":
+                continue
+            if spec[0] == "host":
+                host_writes.append((i, cast(value, spec[1])))
+                continue
+            dtype, sizes, strides, offset, slot, _ = spec
+            base = new_bufs.get(slot, bufs[slot])
+            value = cast_and_broadcast(value, dtype, sizes)
+            new_bufs[slot] = layout.write(base, value, jax_dtype(dtype), sizes, strides, offset)
+        self.writes = tuple(new_bufs)
+        self.host_writes = tuple(i for i, _ in host_writes)
+        return (tuple(outputs) + tuple(host) + tuple(new_bufs[s] for s in self.writes)
+                + tuple(v for _, v in host_writes))
+
+    # -- one node ----------------------------------------------------------------------------------
+    def _run(self, step, env, base_key, n):
+        node = step.node
+        kind = step.kind
+        if kind == "getitem":
+            src, idx = node.args
+            env[node] = env[src][idx]
+            return
+        if kind == "sym":
+            env[node] = static_value(node)
+            return
+        key = jax.random.fold_in(base_key, n) if base_key is not None else None
+        if kind == "foreach":
+            env[node] = self._foreach(step, env, key)
+            return
+        sig = step.signature
+        values = sig.bind(node.args, node.kwargs, missing=None)
+        metas = [meta_of(v) for v in values]
+        arrays = [_lookup(v, env) for v in values]
+        if sig.short_name == "as_strided.default":
+            arrays[0] = _storage_of(values[0], arrays[0])
+        if kind == "index_put" and any(i is not None and i.dtype == jnp.bool_ for i in arrays[1]):
+            env[node] = _bool_mask_index_put(arrays[0], arrays[1], arrays[2], bool(arrays[3]),
+                                             node.meta["val"].dtype)
+            return
+        result, mutated = _apply(sig, values, arrays, metas, node.meta.get("val"), key)
+        # Mutated arguments: later nodes see the new value; graph inputs are written back.
+        for arg, value in mutated:
+            env[arg] = value
+            if arg in self.ph_index:
+                self.mutations[self.ph_index[arg]] = value
+            elif arg.op != "call_function":
+                raise RuntimeError(f"in-place update of {arg.op} {arg.name} is not supported")
+        env[node] = result
+
+    def _foreach(self, step, env, key):
+        plan = step.signature
+        sig = plan.base
+        fvalues = plan.signature.bind(step.node.args, step.node.kwargs, missing=None)
+        out_meta = step.node.meta.get("val") or []
+        lists = [fvalues[i] for i, how in plan.mapping.values() if how == "list"]
+        count = len(lists[0]) if lists else len(out_meta)
+        results = []
+        for e in range(count):
+            values = sig.bind((), {}, missing=None)
+            metas, arrays = list(values), list(values)
+            for j, (i, how) in plan.mapping.items():
+                v = fvalues[i]
+                if how == "list":
+                    v = v[e]
+                if how == "index":
+                    # _foreach_*.Tensor: element e's scalar is entry e of a 1-D tensor.
+                    arrays[j] = _lookup(v, env)[e]
+                    metas[j] = 0.0 if meta_of(v).dtype.is_floating_point else 0
+                    values[j] = None
+                else:
+                    values[j], metas[j], arrays[j] = v, meta_of(v), _lookup(v, env)
+            ekey = jax.random.fold_in(key, e) if key is not None else None
+            value, _ = _apply(sig, values, arrays, metas, out_meta[e] if e < len(out_meta) else None, ekey)
+            results.append(value)
+        return results
+
+
+def _apply(sig, values, arrays, metas, out_meta, key):
+    """One call of ``sig``'s lowering: (the node's value, [(mutated argument node, its new value)])."""
+    new_meta = sig.new_output_metas(out_meta)
+    promote = sig.promotion_dtype(metas, new_meta) if sig.promote_idx is not None else None
+    targets = sig.mutated_tensors(metas)
+    mutated_vals, new_vals = sig.call_lowering(arrays, promote, key, len(targets), len(new_meta),
+                                               sig.input_contiguous(metas))
+    outs = []
+    for value, m in zip(new_vals, new_meta):
+        if m is None:
+            outs.append(None)
+            continue
+        if value is None:
+            raise RuntimeError(f"lowering of aten::{sig.short_name} returned None for a requested output")
+        outs.append(sig.fit_output(value, device_dtype(m.dtype, sig.short_name), m.shape, reshape_same_size=True))
+    # What a return aliasing a mutated argument gives back: that argument's new value.
+    sources = [None] * len(values)
+    mutated = []
+    for (i, pos, m), value in zip(targets, mutated_vals):
+        if value is None:
+            continue
+        new = cast_and_broadcast(value, device_dtype(m.dtype, sig.short_name), m.shape)
+        if pos == 0:
+            sources[i] = new
+        arg = values[i][pos] if isinstance(values[i], list | tuple) else values[i]
+        if isinstance(arg, torch.fx.Node):
+            mutated.append((arg, new))
+    if sig.returns_list:
+        return outs, mutated
+    return sig.returned(outs, sources), mutated
+
+
+def _storage_of(node, value):
+    """as_strided indexes the storage: rebuild it when the input is not its contiguous prefix."""
+    m = meta_of(node)
+    if not isinstance(m, torch.Tensor):
+        return value
+    sizes, strides, offset = tuple(m.shape), m.stride(), m.storage_offset()
+    if layout.is_contiguous(sizes, strides) and offset == 0:
+        return value
+    numel = m.untyped_storage().nbytes() // m.element_size()
+    storage = jnp.zeros((numel,), value.dtype)
+    return layout.write(storage, value, value.dtype, sizes, strides, offset)
+
+
+def _lookup(v, env):
+    if isinstance(v, torch.fx.Node):
+        return env[v]
+    if isinstance(v, list | tuple):
+        return [_lookup(x, env) for x in v]
+    return v
+
+
+def _bool_mask_index_put(self, indices, values, accumulate, dtype):
+    """``x[mask] = v`` inside a graph, without the data-dependent nonzero eager mode uses."""
+    masks = [(p, i) for p, i in enumerate(indices) if i is not None]
+    if len(masks) != 1 or masks[0][1].dtype != jnp.bool_:
+        raise RuntimeError("boolean-mask index_put mixed with other indices needs data-dependent shapes")
+    p, mask = masks[0]
+    rest = self.ndim - p - mask.ndim
+    full = mask.reshape((1,) * p + mask.shape + (1,) * rest)
+    values = values.astype(self.dtype)
+    if values.size != 1:
+        if p != 0:
+            raise RuntimeError("boolean-mask index_put after leading slices needs data-dependent shapes")
+        # The k-th True position takes values[k]: positions come from a running count of the mask.
+        pos = jnp.clip(jnp.cumsum(mask.reshape(-1)) - 1, 0, max(values.shape[0] - 1, 0))
+        picked = values[pos].reshape(mask.shape + values.shape[1:])
+        values = jnp.broadcast_to(picked, mask.shape + self.shape[mask.ndim:])
+    else:
+        values = values.reshape(())
+    out = self + jnp.where(full, values, 0).astype(self.dtype) if accumulate else jnp.where(full, values, self)
+    return out.astype(jax_dtype(dtype))
+

@@ -1,0 +1,148 @@
+"""Dispatcher kernels that allocate, resize, copy and read back neuron storages.
+
+Allocation (``empty``, ``empty_strided``) makes DLPack-backed storages (``runtime.memory``);
+``copy_`` moves data between the host, neuron devices and views (device-to-device copies inside a
+storage run the lowered ``copy_`` kernel); ``_local_scalar_dense`` is ``.item()``.
+"""
+
+from __future__ import annotations
+
+import jax
+import torch
+
+from ..runtime import layout, memory, pjrt, transfers
+from ..runtime.device import current_device
+from ..runtime.dtypes import device_dtype, jax_dtype
+
+_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+def _device_index(device) -> int:
+    if device is None:
+        return current_device()
+    device = torch.device(device)
+    if device.type != "neuron":
+        raise RuntimeError(f"torchneuron: expected a neuron device, got {device}")
+    index = current_device() if device.index is None else device.index
+    pjrt.device(index)  # validates the index with a clear error
+    return index
+
+
+def empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    dtype = device_dtype(dtype or torch.get_default_dtype(), "empty")
+    jax_dtype(dtype)
+    size = tuple(int(s) for s in size)
+    if memory_format in (None, torch.contiguous_format, torch.preserve_format):
+        strides = memory.contiguous_strides(size)
+    else:
+        strides = torch.empty(size, device="meta", memory_format=memory_format).stride()
+    return memory.allocator.new_tensor(size, tuple(strides), dtype, _device_index(device))
+
+
+def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    dtype = device_dtype(dtype or torch.get_default_dtype(), "empty_strided")
+    jax_dtype(dtype)
+    return memory.allocator.new_tensor(tuple(int(s) for s in size), tuple(int(s) for s in stride), dtype,
+                                       _device_index(device))
+
+
+def resize_(self, size, memory_format=None):
+    size = tuple(int(s) for s in size)
+    numel = 1
+    for s in size:
+        numel *= s
+    needed = (self.storage_offset() + numel) * self.element_size()
+    if needed > self.untyped_storage().nbytes():
+        # Grow: a new storage that keeps the old bytes as its prefix, as PyTorch does.
+        old = transfers.device_array(self.view(-1)) if self.numel() else None
+        fresh = memory.allocator.new_tensor((self.storage_offset() + numel,), (1,), self.dtype,
+                                            self.device.index or 0)
+        if old is not None:
+            with torch.no_grad():
+                fresh[self.storage_offset(): self.storage_offset() + self.numel()].copy_(self.view(-1))
+        torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+            _CPU, self, fresh.untyped_storage(), self.storage_offset(), size,
+            memory.contiguous_strides(size))
+    else:
+        strides = memory.contiguous_strides(size)
+        if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
+            strides = torch.empty(size, device="meta", memory_format=memory_format).stride()
+        torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+            _CPU, self, self.untyped_storage(), self.storage_offset(), size, strides)
+    return self
+
+
+def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``Tensor.copy_`` for every pair of devices that involves neuron."""
+    if self.device.type != "neuron":
+        # device -> host: read the neuron tensor, then let the CPU copy convert and broadcast.
+        if src.device.type != "neuron":
+            raise RuntimeError(f"torchneuron: copy_ from {src.device} to {self.device} reached the neuron kernel")
+        with torch.no_grad():
+            self.copy_(transfers.torch_from_host(transfers.to_host(src)))
+        return self
+    if src.device.type == "neuron":
+        if src.device != self.device:
+            # Between neuron devices: move the logical array, then copy on the destination.
+            index = self.device.index or 0
+            moved = jax.device_put(transfers.device_array(src), memory.pjrt_device(index))
+            src = memory.new_buffer_tensor(moved.reshape(-1), src.dtype, index, tuple(src.shape),
+                                           memory.contiguous_strides(tuple(src.shape)))
+        return _device_copy(self, src)
+    # host -> device
+    if self.numel() == 0:
+        return self
+    memory.flush_pending("host write")  # a pending region may still write this storage
+    host_src = src.detach().to(self.dtype)
+    if tuple(host_src.shape) != tuple(self.shape):
+        host_src = host_src.expand(self.shape)
+    rec = memory.record_of(self)
+    covers_storage = (self.storage_offset() == 0 and layout.is_contiguous(tuple(self.shape), self.stride())
+                      and rec.dtype == self.dtype and rec.numel == self.numel())
+    arr = transfers.upload(transfers.host_array(host_src).reshape(-1), rec.device_index)
+    if covers_storage:
+        rec.buf = arr
+        return self
+    staged = memory.new_buffer_tensor(arr, self.dtype, rec.device_index, tuple(self.shape),
+                                      memory.contiguous_strides(tuple(self.shape)))
+    return _device_copy(self, staged)
+
+
+def _device_copy(dst, src):
+    # The lowered copy_ kernel (eager/registration.py builds it from ops/ before registering this).
+    return device_copy_kernel(dst, src)
+
+
+# Set by registration: the Kernel of aten::copy_ that the lowering drives.
+device_copy_kernel = None
+
+
+def to_copy(self: torch.Tensor, *, dtype=None, layout=None, device=None, pin_memory=None,
+            non_blocking=False, memory_format=None) -> torch.Tensor:
+    """``aten::_to_copy`` for neuron tensors: PyTorch's composite kernel, minus pinned memory.
+
+    ``.to("cpu", non_blocking=True)`` makes the composite kernel allocate a pinned host buffer,
+    which needs a C++ PrivateUse1 hook a Python backend cannot provide. Reads back to the host are
+    synchronous here, so the copy simply runs blocking (DCP and data loaders use this form).
+    """
+    to_host_device = device is not None and torch.device(device).type == "cpu"
+    return torch.ops.aten._to_copy.default.redispatch(
+        _CPU, self, dtype=dtype, layout=layout, device=device,
+        pin_memory=False if to_host_device else pin_memory,
+        non_blocking=False if to_host_device else non_blocking, memory_format=memory_format)
+
+
+def local_scalar_dense(t: torch.Tensor):
+    value = transfers.to_host(t).reshape(()).item()
+    if t.dtype.is_floating_point:
+        return float(value)
+    if t.dtype == torch.bool:
+        return bool(value)
+    if t.dtype.is_complex:
+        return complex(value)
+    return int(value)
+
+
+def copy_from(self, dst, non_blocking=False):
+    """``aten::_copy_from(self, dst)``: ``dst.copy_(self)``."""
+    return copy_(dst, self, non_blocking)
