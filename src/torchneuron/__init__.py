@@ -22,10 +22,13 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    # Imported here, once torch is whole (see the top of this module).
     import torch
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-    from .eager import registration
+    from . import distributed, integrations, profiler
+    from .config import observe
+    from .eager import adaptive, registration
     from .runtime import autocast, modules, printing, serialization
     from .runtime import device as device_module
 
@@ -47,20 +50,15 @@ def register() -> None:
         _setup_privateuseone_for_python_backend(
             "neuron", backend_module=device_module, hook=_Hooks(), device_guard=_Guard())
     registration.register_all()
-    from .config import observe
-    from .eager import adaptive
     observe("eager_mode", adaptive.apply_mode)
     printing.install()
     modules.install()
     autocast.install()
     # The `neuron` c10d backend: a registry entry only (torch.distributed is already imported).
-    from . import distributed
     distributed.register()
     device_module.install_storage_resize()   # FSDP2 frees parameters with storage.resize_(0)
     serialization.install()
-    from . import profiler
     profiler.install_hooks()   # neuron ranges in torch.profiler traces
-    from . import integrations
     integrations.install()     # transformers/accelerate device probes, DataLoader pinning
     _registered = True
 
@@ -72,24 +70,24 @@ def _autoload() -> None:
 
 def set_eager_mode(mode: str) -> None:
     """Switch eager execution between ``"plain"`` (one executable per op) and ``"adaptive"``."""
-    from .eager import adaptive
+    from .eager import adaptive  # not at the top: see there
     adaptive.set_eager_mode(mode)
 
 
 def eager_mode(mode: str):
     """Context manager: run a block in the given eager mode."""
-    from .eager import adaptive
+    from .eager import adaptive  # not at the top: see there
     return adaptive.eager_mode(mode)
 
 
 def __getattr__(name):
     # Heavier parts load on first use.
     if name in ("pad_to_multiple", "bucket_length"):
-        from .compile import shapes
+        from .compile import shapes  # heavier parts load on first use
         return getattr(shapes, name)
     if name in ("step", "track", "check"):
         # Migration-readiness report: mark steps, track values, or collect a report in-process.
-        from . import report
+        from . import report  # heavier parts load on first use
         value = globals()[name] = getattr(report, name)
         return value
     raise AttributeError(f"module 'torchneuron' has no attribute {name!r}")

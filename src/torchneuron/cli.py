@@ -21,6 +21,11 @@ import sys
 import tempfile
 import threading
 
+from .report import analyze, render
+from .report.api import load_run
+from .report.devmap import compose, parse
+from .report.env import manifest
+
 _PY_FLAGS_WITH_VALUE = ("-X", "-W", "-Q")
 
 
@@ -72,8 +77,6 @@ def _tee(stream, sinks):
 
 def _run_child(label, interp, script_argv, spec, folder, args, env) -> dict:
     """One run of the script; returns its data (or a stand-in if it produced none)."""
-    from .report import analyze
-
     spec_path = os.path.join(folder, f"spec-{label}.json")
     out_path = os.path.join(folder, f"run-{label}.json")
     spec["output"] = out_path
@@ -155,10 +158,6 @@ def check(argv: list[str]) -> int:
     if not command:
         p.error("give the command to run after --, e.g. torchneuron check -- python train.py")
 
-    from .report import analyze, render
-    from .report.api import load_run
-    from .report.devmap import compose, parse
-
     try:
         device_map = parse(args.device_map)
     except ValueError as err:
@@ -214,7 +213,6 @@ def env_command(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="torchneuron env", description="Print the version manifest.")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    from .report.env import manifest
     info = manifest()
     if args.json:
         print(json.dumps(info, indent=1))

@@ -14,7 +14,7 @@ from . import dynamo_hooks
 
 def neuron_backend(gm, example_inputs, **kwargs):
     """The Dynamo backend (see ``torchneuron.compile.backend``)."""
-    from .backend import neuron_backend as compile_graph
+    from .backend import neuron_backend as compile_graph  # Dynamo and AOTAutograd load here
     return compile_graph(gm, example_inputs, **kwargs)
 
 

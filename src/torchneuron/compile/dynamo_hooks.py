@@ -81,6 +81,7 @@ def _for_neuron() -> bool:
         fn = innermost_backend(tx.output.compiler_fn)
     except Exception:  # noqa: BLE001 - no frame being traced
         return False
+    # compile/__init__.py imports this module, and backend.py loads Dynamo: both only when tracing.
     from . import neuron_backend
     from .backend import neuron_backend as impl
     fn = getattr(fn, "compiler_fn", fn)

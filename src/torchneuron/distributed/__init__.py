@@ -37,7 +37,7 @@ def _create(backend_opts, pg_options=None):
 
 def __getattr__(name):
     if name in ("ProcessGroupNeuron", "NeuronWork", "CollectiveError"):
-        from . import backend
+        from . import backend  # the process group's code: see _create
         return getattr(backend, name)
     raise AttributeError(f"module 'torchneuron.distributed' has no attribute {name!r}")
 

@@ -101,7 +101,7 @@ def _read(t: torch.Tensor) -> np.ndarray:
         metrics.d2h_copies += 1
         metrics.d2h_bytes += arr.nbytes
         return arr
-    return transfers._to_host(t).reshape(-1)
+    return transfers.copy_to_host(t).reshape(-1)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

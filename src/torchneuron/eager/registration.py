@@ -38,10 +38,6 @@ _METADATA_OPS = [
 ]
 
 
-def kernel_for(name: str):
-    return _kernels[name]
-
-
 def _runtime_lr(tensor_lr_kernel):
     """``_fused_adam(w)_`` with a float ``lr`` through its ``tensor_lr`` form: a float would be
     compiled into the executable, so every step of an LR schedule (Trainer's default) would compile

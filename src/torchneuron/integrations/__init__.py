@@ -15,6 +15,8 @@ part of the device (``runtime/autocast.py``).
 
 from __future__ import annotations
 
+from . import data, transformers
+
 _installed = False
 
 
@@ -22,7 +24,6 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from . import data, transformers
     transformers.install()
     data.install()
     _installed = True

@@ -1,5 +1,6 @@
-"""Losses without a decomposition into lowered ops (or whose decomposition loses the ATen
-subgradient): multi-margin, multilabel-margin, CTC.
+"""Losses: NLL, MSE, L1, smooth L1, Huber, binary cross-entropy (with logits), and those without a
+decomposition into lowered ops (or whose decomposition loses the ATen subgradient): multi-margin,
+multilabel-margin, CTC.
 
 Hinges use ``where(z > 0, z, 0)`` rather than ``maximum`` so the gradient at the hinge is ATen's
 (zero), not JAX's tie-splitting one half. CTC follows ``LossCTC.cpp``: the alpha recursion in log
@@ -14,9 +15,152 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .nn import reduce_loss
+from .numerics import compute_dtype
 from .registry import lowering
 
+
+# -- reductions, NLL, regression and binary cross-entropy losses ----------------------------------
+def reduce_loss(loss, reduction):
+    """ATen's Reduction enum: 0 none, 1 mean, 2 sum (shared by every loss lowering)."""
+    if reduction == 1:
+        return jnp.mean(loss)
+    if reduction == 2:
+        return jnp.sum(loss)
+    return loss
+
+
+def _nll_targets(self, target, weight, ignore_index):
+    """(class dim, target classes with ignored ones at 0, per-target weight with ignored ones 0)."""
+    cdim = 1 if self.ndim >= 2 else 0   # 0 for unbatched input
+    t = target.astype(jnp.int64)
+    valid = t != ignore_index
+    safe = jnp.where(valid, t, 0)
+    w = weight[safe] if weight is not None else jnp.ones(safe.shape, self.dtype)
+    return cdim, safe, jnp.where(valid, w, 0).astype(self.dtype)
+
+
+def _nll(self, target, weight, reduction, ignore_index):
+    cdim, safe, w = _nll_targets(self, target, weight, ignore_index)
+    picked = jnp.take_along_axis(self, jnp.expand_dims(safe, cdim), axis=cdim).squeeze(cdim) if self.ndim >= 2 \
+        else self[safe]
+    loss = -picked * w
+    total_weight = jnp.sum(w)
+    if reduction == 1:
+        return jnp.sum(loss) / total_weight, total_weight
+    if reduction == 2:
+        return jnp.sum(loss), total_weight
+    return loss, total_weight
+
+
+@lowering("nll_loss_forward.default", "nll_loss2d_forward.default")
+def nll_loss_forward(self, target, weight, reduction, ignore_index):
+    return _nll(self, target, weight, reduction, ignore_index)
+
+
+@lowering("nll_loss_backward.default", "nll_loss2d_backward.default")
+def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    # -grad * weight at each target class, 0 elsewhere: a compare against the class index fuses
+    # with the log-softmax backward that follows, where a scatter would materialise a zero
+    # (batch x classes) tensor first.
+    cdim, safe, w = _nll_targets(self, target, weight, ignore_index)
+    coef = -grad_output.astype(self.dtype).reshape(() if reduction else target.shape) * w
+    if reduction == 1:
+        coef = coef / total_weight.astype(self.dtype)
+    classes = lax.broadcasted_iota(jnp.int64, self.shape, cdim)
+    hit = classes == jnp.expand_dims(safe, cdim)
+    return jnp.where(hit, jnp.expand_dims(coef, cdim), jnp.zeros((), self.dtype))
+
+
+@lowering("mse_loss.default", promote="result", promote_args=("self", "target"))
+def mse_loss(self, target, reduction=1):
+    return reduce_loss(jnp.square(self - target), reduction)
+
+
+@lowering("mse_loss_backward.default", promote="result", promote_args=("grad_output", "self", "target"))
+def mse_loss_backward(grad_output, self, target, reduction):
+    scale = 2.0 / self.size if reduction == 1 else 2.0
+    return grad_output * (self - target) * scale
+
+
+@lowering("l1_loss.default", promote="result", promote_args=("self", "target"), graph_only=True)
+def l1_loss(self, target, reduction=1):
+    return reduce_loss(jnp.abs(self - target), reduction)
+
+
+def _smooth_l1(self, target, beta):
+    d = jnp.abs(self - target)
+    return jnp.where(d < beta, 0.5 * d * d / beta, d - 0.5 * beta) if beta > 0 else d
+
+
+@lowering("smooth_l1_loss.default", promote="result", promote_args=("self", "target"))
+def smooth_l1_loss(self, target, reduction=1, beta=1.0):
+    return reduce_loss(_smooth_l1(self, target, beta), reduction)
+
+
+@lowering("smooth_l1_loss_backward.default", promote="result", promote_args=("grad_output", "self", "target"))
+def smooth_l1_loss_backward(grad_output, self, target, reduction, beta):
+    _, vjp = jax.vjp(lambda x: reduce_loss(_smooth_l1(x, target, beta), reduction), self)
+    return vjp(jnp.broadcast_to(grad_output, () if reduction else self.shape).astype(self.dtype))[0]
+
+
+def _huber(self, target, delta):
+    d = jnp.abs(self - target)
+    return jnp.where(d < delta, 0.5 * d * d, delta * (d - 0.5 * delta))
+
+
+@lowering("huber_loss.default", promote="result", promote_args=("self", "target"))
+def huber_loss(self, target, reduction=1, delta=1.0):
+    return reduce_loss(_huber(self, target, delta), reduction)
+
+
+@lowering("huber_loss_backward.default", promote="result", promote_args=("grad_output", "self", "target"))
+def huber_loss_backward(grad_output, self, target, reduction, delta):
+    _, vjp = jax.vjp(lambda x: reduce_loss(_huber(x, target, delta), reduction), self)
+    return vjp(jnp.broadcast_to(grad_output, () if reduction else self.shape).astype(self.dtype))[0]
+
+
+def _bce(self, target, weight):
+    log_p = jnp.maximum(jnp.log(self), -100)
+    log_1p = jnp.maximum(jnp.log1p(-self), -100)
+    loss = -(target * log_p + (1 - target) * log_1p)
+    return loss * weight if weight is not None else loss
+
+
+@lowering("binary_cross_entropy.default", promote="result", promote_args=("self", "target", "weight"))
+def binary_cross_entropy(self, target, weight=None, reduction=1):
+    return reduce_loss(_bce(self, target, weight), reduction)
+
+
+@lowering("binary_cross_entropy_backward.default", promote="result",
+          promote_args=("grad_output", "self", "target", "weight"))
+def binary_cross_entropy_backward(grad_output, self, target, weight=None, reduction=1):
+    eps = 1e-12
+    g = grad_output * (self - target) / jnp.maximum((1 - self) * self, eps)
+    if weight is not None:
+        g = g * weight
+    return g / self.size if reduction == 1 else g
+
+
+@lowering("binary_cross_entropy_with_logits.default", promote="result",
+          promote_args=("self", "target", "weight", "pos_weight"))
+def bce_with_logits(self, target, weight=None, pos_weight=None, reduction=1):
+    # Half precision computes in float32 and rounds once (the kernel casts the result).
+    acc = compute_dtype(self.dtype)
+    self, target = self.astype(acc), target.astype(acc)
+    weight = None if weight is None else weight.astype(acc)
+    pos_weight = None if pos_weight is None else pos_weight.astype(acc)
+    log_sig = jax.nn.log_sigmoid(self)
+    log_sig_neg = jax.nn.log_sigmoid(-self)
+    if pos_weight is not None:
+        loss = -(pos_weight * target * log_sig + (1 - target) * log_sig_neg)
+    else:
+        loss = -(target * log_sig + (1 - target) * log_sig_neg)
+    if weight is not None:
+        loss = loss * weight
+    return reduce_loss(loss, reduction)
+
+
+# -- margin losses --------------------------------------------------------------------------------
 
 def _hinge(z):
     return jnp.where(z > 0, z, 0)
@@ -84,7 +228,7 @@ def multilabel_margin_loss_backward(grad_output, self, target, reduction, is_tar
     return vjp(grad_output.astype(self.dtype))[0]
 
 
-# -- CTC ----------------------------------------------------------------------------------------
+# -- CTC ------------------------------------------------------------------------------------------
 def _padded_targets(targets, target_lengths):
     """(N, max_len) targets from the padded 2-D or the concatenated 1-D layout."""
     n = len(target_lengths)

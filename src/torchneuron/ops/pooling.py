@@ -1,5 +1,6 @@
-"""Pooling with indices beyond the fixed-window max pools in ``nn``: adaptive and fractional max
-pooling, and their backwards (a scatter-add of the gradient at the saved indices).
+"""Pooling: fixed-window max and average pooling, adaptive average, adaptive and fractional max
+pooling, and their backwards (VJPs of the forwards, or a scatter-add of the gradient at the saved
+indices of a max pool).
 
 Indices are flat positions within each (N, C) spatial plane, as ATen returns them. Windows follow
 ATen's arithmetic exactly (adaptive: [floor(i*in/out), ceil((i+1)*in/out)); fractional: the
@@ -8,13 +9,223 @@ intervals generated from ``random_samples``); NaN wins a window, otherwise the f
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from .nn import scatter_to_indices
+from .nn import expand_param
 from .numerics import compute_dtype, lowest
 from .registry import lowering
 
+_HIGHEST = lax.Precision.HIGHEST
+
+
+# -- fixed-window max and average pooling ---------------------------------------------------------
+def _pool_geometry(in_size, kernel, stride, padding, dilation, ceil_mode):
+    eff = dilation * (kernel - 1) + 1
+    num = in_size + 2 * padding - eff
+    out = (-(-num // stride) if ceil_mode else num // stride) + 1
+    if ceil_mode and (out - 1) * stride >= in_size + padding:
+        out -= 1
+    return max(out, 0)
+
+
+def _window_indices(in_sizes, kernel, stride, padding, dilation, ceil_mode):
+    """Static (numpy) positions of every window element, -1 where the window is off the input."""
+    out_sizes = [_pool_geometry(i, k, s, p, d, ceil_mode)
+                 for i, k, s, p, d in zip(in_sizes, kernel, stride, padding, dilation)]
+    per_dim = []
+    for i, k, s, p, d, o in zip(in_sizes, kernel, stride, padding, dilation, out_sizes):
+        pos = np.arange(o)[:, None] * s - p + np.arange(k)[None, :] * d   # (out, k)
+        per_dim.append(np.where((pos >= 0) & (pos < i), pos, -1))
+    return out_sizes, per_dim
+
+
+def _flat_windows(in_sizes, kernel, stride, padding, dilation, ceil_mode):
+    out_sizes, per_dim = _window_indices(in_sizes, kernel, stride, padding, dilation, ceil_mode)
+    nd = len(in_sizes)
+    flat = np.zeros([1] * (2 * nd), dtype=np.int64)
+    valid = np.ones([1] * (2 * nd), dtype=bool)
+    mult = 1
+    for d in reversed(range(nd)):
+        pos = per_dim[d]
+        shape = [1] * (2 * nd)
+        shape[d], shape[nd + d] = pos.shape
+        flat = flat + np.where(pos >= 0, pos, 0).reshape(shape) * mult
+        valid = valid & (pos >= 0).reshape(shape)
+        mult *= in_sizes[d]
+    full = tuple(out_sizes) + tuple(kernel)
+    flat = np.broadcast_to(flat, full).reshape(tuple(out_sizes) + (-1,))
+    valid = np.broadcast_to(valid, full).reshape(tuple(out_sizes) + (-1,))
+    return out_sizes, flat, valid
+
+
+def _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, nd):
+    kernel = expand_param(kernel_size, nd)
+    stride = expand_param(stride, nd) if stride else kernel
+    padding, dilation = expand_param(padding, nd), expand_param(dilation, nd)
+    batched = self.ndim == nd + 2
+    x = self if batched else self[None]
+    in_sizes = x.shape[2:]
+    out_sizes, flat, valid = _flat_windows(in_sizes, kernel, stride, padding, dilation, ceil_mode)
+    xf = _flatten_from(x, 2)
+    vals = xf[..., flat]                                   # (N, C, *out, K)
+    low = lowest(x.dtype)
+    vals = jnp.where(valid, vals, low)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        # NaN wins, as in PyTorch.
+        pick = jnp.argmax(jnp.where(jnp.isnan(vals), jnp.inf, vals), axis=-1)
+    else:
+        pick = jnp.argmax(vals, axis=-1)
+    out = jnp.take_along_axis(vals, pick[..., None], axis=-1)[..., 0]
+    idx = jnp.asarray(flat)[(None, None) + (slice(None),) * nd]
+    idx = jnp.take_along_axis(jnp.broadcast_to(idx, vals.shape), pick[..., None], axis=-1)[..., 0]
+    if not batched:
+        out, idx = out[0], idx[0]
+    return out, idx.astype(jnp.int64)
+
+
+@lowering("max_pool2d_with_indices.default")
+def max_pool2d_with_indices(self, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+    return _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, 2)
+
+
+@lowering("max_pool3d_with_indices.default")
+def max_pool3d_with_indices(self, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+    return _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, 3)
+
+
+def _flatten_from(x, dim):
+    """``x`` with the dims from ``dim`` on merged into one (sized explicitly: a zero-sized batch
+    leaves reshape nothing to infer a -1 from)."""
+    return x.reshape(x.shape[:dim] + (int(np.prod(x.shape[dim:])),))
+
+
+def scatter_to_indices(grad_output, self, indices, nd):
+    """Backward of every pooling op that returns flat window indices (max, adaptive, fractional):
+    each gradient element is added at the input position its index names."""
+    lead = self.shape[:-nd]
+    n = int(np.prod(self.shape[-nd:]))
+    g = _flatten_from(grad_output, len(lead))
+    idx = _flatten_from(indices, len(lead))
+    zeros = jnp.zeros(lead + (n,), grad_output.dtype)
+    lead_idx = jnp.indices(idx.shape, sparse=True)[:-1]
+    return zeros.at[tuple(lead_idx) + (idx,)].add(g).reshape(self.shape)
+
+
+@lowering("max_pool2d_with_indices_backward.default")
+def max_pool2d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode,
+                                     indices):
+    return scatter_to_indices(grad_output, self, indices, 2)
+
+
+@lowering("max_pool3d_with_indices_backward.default")
+def max_pool3d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode,
+                                     indices):
+    return scatter_to_indices(grad_output, self, indices, 3)
+
+
+def _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, nd):
+    kernel = expand_param(kernel_size, nd)
+    stride = expand_param(stride, nd) if stride else kernel
+    padding = expand_param(padding, nd)
+    batched = self.ndim == nd + 2
+    x = self if batched else self[None]
+    in_sizes = x.shape[2:]
+    out_sizes, flat, valid = _flat_windows(in_sizes, kernel, stride, padding, (1,) * nd, ceil_mode)
+    acc = compute_dtype(x.dtype)
+    xf = _flatten_from(x, 2).astype(acc)
+    total = jnp.sum(jnp.where(valid, xf[..., flat], 0), axis=-1)
+    if divisor_override:
+        divisor = np.float64(divisor_override)
+    elif count_include_pad:
+        # Window size clipped to the padded input (not to the ceil_mode overhang).
+        counts = np.ones(tuple(out_sizes), dtype=np.float64)
+        for d in range(nd):
+            o = np.arange(out_sizes[d])
+            start = o * stride[d] - padding[d]
+            end = np.minimum(start + kernel[d], in_sizes[d] + padding[d])
+            shape = [1] * nd
+            shape[d] = out_sizes[d]
+            counts = counts * (end - start).reshape(shape)
+        divisor = counts
+    else:
+        divisor = valid.sum(-1).astype(np.float64)
+    out = (total / jnp.asarray(divisor, acc)).astype(x.dtype)
+    return out if batched else out[0]
+
+
+@lowering("avg_pool2d.default")
+def avg_pool2d(self, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
+               divisor_override=None):
+    return _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 2)
+
+
+@lowering("avg_pool2d_backward.default")
+def avg_pool2d_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                        divisor_override):
+    _, vjp = jax.vjp(lambda x: _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                                         divisor_override, 2), self)
+    return vjp(grad_output)[0]
+
+
+@lowering("avg_pool3d.default")
+def avg_pool3d(self, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
+               divisor_override=None):
+    return _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 3)
+
+
+@lowering("avg_pool3d_backward.default")
+def avg_pool3d_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                        divisor_override):
+    _, vjp = jax.vjp(lambda x: _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                                         divisor_override, 3), self)
+    return vjp(grad_output)[0]
+
+
+def _adaptive_matrix(in_size, out_size, dtype):
+    m = np.zeros((out_size, in_size), dtype=np.float64)
+    for i in range(out_size):
+        start = (i * in_size) // out_size
+        end = -(-((i + 1) * in_size) // out_size)
+        m[i, start:end] = 1.0 / (end - start)
+    return jnp.asarray(m, dtype)
+
+
+def _adaptive_avg(self, output_size, nd):
+    acc = compute_dtype(self.dtype)
+    x = self.astype(acc)
+    for d in range(nd):
+        axis = self.ndim - nd + d
+        m = _adaptive_matrix(self.shape[axis], output_size[d], acc)
+        x = jnp.moveaxis(jnp.tensordot(x, m, axes=([axis], [1]), precision=_HIGHEST), -1, axis)
+    return x.astype(self.dtype)
+
+
+@lowering("_adaptive_avg_pool2d.default")
+def adaptive_avg_pool2d(self, output_size):
+    return _adaptive_avg(self, output_size, 2)
+
+
+@lowering("_adaptive_avg_pool2d_backward.default")
+def adaptive_avg_pool2d_backward(grad_output, self):
+    _, vjp = jax.vjp(lambda x: _adaptive_avg(x, grad_output.shape[-2:], 2), self)
+    return vjp(grad_output)[0]
+
+
+@lowering("_adaptive_avg_pool3d.default")
+def adaptive_avg_pool3d(self, output_size):
+    return _adaptive_avg(self, output_size, 3)
+
+
+@lowering("_adaptive_avg_pool3d_backward.default")
+def adaptive_avg_pool3d_backward(grad_output, self):
+    _, vjp = jax.vjp(lambda x: _adaptive_avg(x, grad_output.shape[-3:], 3), self)
+    return vjp(grad_output)[0]
+
+
+# -- adaptive and fractional max pooling ----------------------------------------------------------
 
 def _window_max(x, starts, sizes, nd):
     """Max and flat in-plane index over windows [starts[d], starts[d] + sizes[d]) per output.

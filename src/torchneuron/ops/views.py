@@ -49,13 +49,13 @@ def view_dtype(self, dtype):
     if target == self.dtype:
         return self
     if self.ndim == 0:
-        return layout._reinterpret(self.reshape(1), target).reshape(())
+        return layout.reinterpret(self.reshape(1), target).reshape(())
     # Rows along the last dim are contiguous in logical order, so reinterpreting the flat array
     # and re-splitting the last dim matches Tensor.view(dtype).
     src_bits = 8 if self.dtype == np.bool_ else np.dtype(self.dtype).itemsize * 8
     dst_bits = 8 if target == np.bool_ else target.itemsize * 8
     last = self.shape[-1] * src_bits // dst_bits
-    return layout._reinterpret(self.reshape(-1), target).reshape(self.shape[:-1] + (last,))
+    return layout.reinterpret(self.reshape(-1), target).reshape(self.shape[:-1] + (last,))
 
 
 @lowering("permute.default", graph_only=True)

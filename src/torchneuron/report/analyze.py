@@ -10,6 +10,8 @@ import math
 import re
 import time
 
+from .env import KEY_FIELDS
+
 REPORT_SCHEMA = "torchneuron.report/1"
 
 DEFAULT_RTOL = 1e-3
@@ -316,7 +318,6 @@ def memory(run: dict) -> dict | None:
 
 
 def environment_diff(current: dict, previous: dict) -> list[dict]:
-    from .env import KEY_FIELDS
     rows = []
     for key in KEY_FIELDS:
         a, b = current.get(key), previous.get(key)

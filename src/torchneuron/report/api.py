@@ -17,6 +17,7 @@ import json
 import sys
 
 from . import analyze, collect, render
+from .env import manifest
 
 
 def load_run(path: str) -> tuple[dict, str]:
@@ -57,7 +58,6 @@ class check:  # noqa: N801 - used as a function-like context manager, like torch
         return self
 
     def stop(self, error: BaseException | None = None) -> dict:
-        from .env import manifest
         data = self.collector.stop()
         status = {"outcome": "completed", "reason": None, "exit_code": 0, "error": None}
         if error is not None:

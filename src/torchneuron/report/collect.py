@@ -13,6 +13,7 @@ import time
 import traceback
 from collections import Counter
 
+from .. import profiler
 from ..metrics import metrics
 from . import sites
 
@@ -139,7 +140,6 @@ class Collector:
         self._hook = register_optimizer_step_post_hook(self._optimizer_stepped)
         _listen_to_jax()
         if self.role == "neuron":
-            from .. import profiler
             profiler.attach_collector(self)
             if hasattr(torch, "neuron"):
                 for i in range(torch.neuron.device_count()):
@@ -159,7 +159,6 @@ class Collector:
         if self._hook is not None:
             self._hook.remove()
         if self.role == "neuron":
-            from .. import profiler
             profiler.attach_collector(None)
         self._data = self._build(t_end)
         return self._data

@@ -48,6 +48,7 @@ def _container() -> str | None:
 
 def manifest() -> dict:
     """Versions and settings of this process (imports torch and jax)."""
+    # Only here: analysis imports this module (KEY_FIELDS) and must not load torch, jax or the runtime.
     import jax
     import jaxlib
     import numpy
@@ -76,7 +77,7 @@ def manifest() -> dict:
     }
     info.update({"torchneuron_" + k: v for k, v in _git_revision(info["torchneuron_path"]).items()})
     try:
-        from torchneuron.runtime import pjrt
+        from torchneuron.runtime import pjrt  # see the top of manifest()
         devs = pjrt.devices()
         info["pjrt_platform"] = devs[0].platform if devs else config.platform
         info["pjrt_version"] = pjrt.platform_version()

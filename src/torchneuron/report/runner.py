@@ -18,6 +18,9 @@ import signal
 import sys
 import time
 
+from .env import manifest
+from .render import jsonable
+
 
 def _parse_command(argv: list[str]):
     if not argv:
@@ -99,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     data["status"] = status
     data["command"] = user_argv if kind != "module" else ["-m", *user_argv]
     data["device_map"] = spec.get("device_map") or {}
-    from .env import manifest
-    from .render import jsonable
     data["environment"] = manifest()
     tmp = spec["output"] + ".tmp"
     with open(tmp, "w") as f:

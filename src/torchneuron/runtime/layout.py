@@ -24,7 +24,7 @@ def is_contiguous(sizes, strides) -> bool:
     return True
 
 
-def _reinterpret(buf, dtype):
+def reinterpret(buf, dtype):
     """The flat buffer viewed as elements of ``dtype`` (``Tensor.view(dtype)`` semantics)."""
     src = buf.dtype
     dtype = np.dtype(dtype)
@@ -39,10 +39,10 @@ def _reinterpret(buf, dtype):
             return buf
     if jnp.issubdtype(dtype, jnp.complexfloating):
         part = np.dtype(np.float32 if dtype == np.complex64 else np.float64)
-        pairs = _reinterpret(buf, part).reshape(-1, 2)
+        pairs = reinterpret(buf, part).reshape(-1, 2)
         return lax.complex(pairs[:, 0], pairs[:, 1])
     if dtype == np.bool_:
-        return _reinterpret(buf, np.uint8) != 0
+        return reinterpret(buf, np.uint8) != 0
     if src.itemsize == dtype.itemsize:
         return lax.bitcast_convert_type(buf, dtype)
     if src.itemsize > dtype.itemsize:
@@ -64,7 +64,7 @@ def _gather_indices(sizes, strides, offset) -> np.ndarray:
 def read(buf, dtype, sizes, strides, offset):
     """The logical array of the view (sizes, strides, offset) of flat ``buf``."""
     sizes, strides = tuple(sizes), tuple(strides)
-    flat = _reinterpret(buf, dtype)
+    flat = reinterpret(buf, dtype)
     numel = math.prod(sizes)
     if numel == 0:
         return jnp.zeros(sizes, dtype=flat.dtype)
@@ -117,9 +117,9 @@ def write(buf, value, dtype, sizes, strides, offset):
     value = value.astype(target_dtype)
     if buf.dtype != target_dtype:
         # Writing through a view(dtype): do it in the view's element type, then convert back.
-        typed = _reinterpret(buf, target_dtype)
+        typed = reinterpret(buf, target_dtype)
         updated = write(typed, value, target_dtype, sizes, strides, offset)
-        return _reinterpret(updated, buf.dtype)[: buf.shape[0]]
+        return reinterpret(updated, buf.dtype)[: buf.shape[0]]
     if is_contiguous(sizes, strides):
         if offset == 0 and numel == buf.shape[0]:
             return value.reshape(-1)

@@ -63,13 +63,15 @@ def device_array(t: torch.Tensor, host: bool = False):
 
 
 def to_host(t: torch.Tensor) -> np.ndarray:
+    """A neuron tensor's values on the host (one counted device->host copy, traced by the profiler)."""
     tracer = metrics.tracer
     if tracer is not None:   # profiler ranges / readiness report: see torchneuron.profiler
-        return tracer.copy("d2h", _to_host, t)
-    return _to_host(t)
+        return tracer.copy("d2h", copy_to_host, t)
+    return copy_to_host(t)
 
 
-def _to_host(t: torch.Tensor) -> np.ndarray:
+def copy_to_host(t: torch.Tensor) -> np.ndarray:
+    """``to_host`` without a profiler range (for callers that record their own)."""
     arr = np.asarray(device_array(t, host=True))
     metrics.d2h_copies += 1
     metrics.d2h_bytes += arr.nbytes

@@ -27,6 +27,8 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import torchneuron
+
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_RESULTS = REPO / "build" / "coverage" / "results.jsonl"
 DEFAULT_OUTPUT = REPO / "docs" / "coverage.md"
@@ -83,7 +85,6 @@ def sweep(args) -> None:
     harness = _harness(Path(args.tests_dir))
     if not args.no_jax_cache:
         _enable_jax_cache()
-    import torchneuron
     torchneuron.config.fallback = "silent"
     tasks = _tasks(harness, args.ops, args.checks, args.dtypes)
     if args.shard:
@@ -176,8 +177,8 @@ def core_aten() -> list[dict]:
     from torch._decomp import decomposition_table
 
     import torchneuron  # noqa: F401  (registers the kernels)
-    from torchneuron.eager import registration
     from torchneuron.ops import registry
+    from torchneuron.ops.signature import registry_name
 
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     rows = []
@@ -189,7 +190,7 @@ def core_aten() -> list[dict]:
             op = getattr(packet, ov)
             if torch.Tag.core not in op.tags:
                 continue
-            key = registration._key(op)
+            key = registry_name(op)
             name = op.name()
             if key in registry.LOWERINGS and not registry.LOWERINGS[key].graph_only:
                 how, status = "lowering", "native"
@@ -255,8 +256,6 @@ def op_status(counts: Counter, decomposed) -> str:
 def _versions() -> str:
     import jax
     import torch
-
-    import torchneuron
     return (f"torch {torch.__version__}, jax {jax.__version__}, torchneuron {torchneuron.__version__}, "
             f"Python {platform.python_version()}, PJRT platform {torchneuron.config.platform}")
 

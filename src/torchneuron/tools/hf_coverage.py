@@ -33,6 +33,8 @@ import time
 import traceback
 from pathlib import Path
 
+import torchneuron
+
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_RESULTS = REPO / "build" / "hf_coverage" / "results.jsonl"
 DEFAULT_OUTPUT = REPO / "docs" / "hf_coverage.md"
@@ -396,8 +398,6 @@ def _greedy_tie(model_cpu, tokens_cpu, tokens_neuron, ids, mask) -> float | None
 def check_architecture(model_type: str, generate: bool = True) -> dict:
     """Run one architecture on neuron against CPU; returns its result row (never raises)."""
 
-    import torchneuron
-
     row = {"arch": model_type, "status": "fail", "reason": "", "fallbacks": {}, "forward": None,
            "backward": None, "generate": None, "seconds": 0.0}
     start = time.perf_counter()
@@ -462,7 +462,6 @@ def check_architecture(model_type: str, generate: bool = True) -> dict:
 
 
 def _check_generate(model, neuron_model, ids, mask, row) -> dict:
-    import torchneuron
     try:
         ref = _generate(model, ids, mask)
     except Exception as err:
@@ -499,8 +498,6 @@ def _worker(archs: list[str], results: Path, timeout: int, generate: bool, run: 
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-
-    import torchneuron
     torchneuron.config.fallback = "silent"
     _enable_jax_cache()
 
@@ -748,7 +745,7 @@ _NOTES = """## What transformers needs from the device, and where it is handled
 | `TrainingArguments.device`, accelerate `PartialState`, RNG checkpoints, compile backend | transformers and accelerate enable their neuron code paths by probing for AWS's `torch_neuronx`; `torchneuron.integrations.transformers` answers those two probes from the registered device |
 | `Trainer(bf16=True)` / `torch.autocast("neuron")` | autocast kernels for the neuron key (`runtime/autocast.py`); `torch.neuron.is_bf16_supported()` |
 | `DataLoader(pin_memory=True)` (Trainer default) | a Python backend cannot register a pinned allocator, and PJRT stages host buffers itself: batches go unpinned for neuron (`torchneuron.integrations.data`) |
-| MoE experts (`grouped_mm`) | `histc` on integer expert ids and `_grouped_mm` are lowered (`ops/hf_ops.py`) |
+| MoE experts (`grouped_mm`) | `histc` on integer expert ids and `_grouped_mm` are lowered (`ops/reductions.py`, `ops/linalg.py`) |
 | `adamw_torch_fused` (Trainer's default optimizer) | `_fused_adamw_`/`_fused_adam_` are lowered; the learning rate is a runtime input, so LR schedules do not recompile |
 | static-cache `generate()` | transformers compiles decoding with `torch.compile(backend="neuron", dynamic=False)`: one graph for all steps |
 """
