@@ -80,6 +80,13 @@ def eager_mode(mode: str):
     return adaptive.eager_mode(mode)
 
 
+def kernel(name: str, fn=None, /, *, mutates_args=(), backward=None, tags=()):
+    """Register a JAX function (jnp/lax code or a Pallas kernel) as the PyTorch custom op ``name``
+    ("namespace::op"), shaped like ``torch.library.custom_op``. See docs/kernels.md."""
+    from .kernels import kernel as _kernel
+    return _kernel(name, fn, mutates_args=mutates_args, backward=backward, tags=tags)
+
+
 def __getattr__(name):
     # Heavier parts load on first use.
     if name in ("pad_to_multiple", "bucket_length"):
@@ -95,4 +102,4 @@ def __getattr__(name):
 
 register()
 
-__all__ = ["config", "metrics", "register", "step", "track", "check", "__version__"]
+__all__ = ["config", "metrics", "register", "kernel", "step", "track", "check", "__version__"]

@@ -25,6 +25,10 @@ class _Registry:
         self.fallbacks = Counter()         # ATen overload -> CPU fallback runs
         self.decompositions = Counter()    # ATen overload -> decomposition runs
         self.float64_downcasts = Counter() # ATen overload -> float64 results run as float32
+        # torchneuron.kernel custom ops: calls (neuron, CPU and compiled-graph runs) and the
+        # executables compiled that contain them, by kernel name ("mylib::rms_norm").
+        self.custom_kernel_calls = Counter()
+        self.custom_kernel_compiles = Counter()
         self.h2d_copies = 0
         self.h2d_bytes = 0
         self.d2h_copies = 0
@@ -68,6 +72,9 @@ class _Registry:
             f"host->device copies  : {s['h2d_copies']} ({s['h2d_bytes']} bytes)",
             f"device->host copies  : {s['d2h_copies']} ({s['d2h_bytes']} bytes)",
         ]
+        if s["custom_kernel_calls"]:
+            lines.append(f"custom kernels       : {dict(s['custom_kernel_calls'])} calls, "
+                         f"{sum(s['custom_kernel_compiles'].values())} compiles")
         if s["float64_downcasts"]:
             lines.append(f"float64 downcasts    : {dict(s['float64_downcasts'])}")
         if s["graphs_compiled"] or s["graph_breaks"] or s["recompiles"]:

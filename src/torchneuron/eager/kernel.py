@@ -186,15 +186,21 @@ class Kernel(OpSignature):
         try:
             results = jitted(*bufs, *runtime)
         except Exception as err:
-            raise RuntimeError(
-                f"torchneuron: compiling aten::{self.short_name} failed for inputs "
-                f"{_describe(values)}: {err}. This is a torchneuron bug: please report it with this "
-                "message. Workaround: run this op on CPU (move its inputs with .cpu())."
-            ) from err
+            error = self.compile_error(values, err)
+            if error is err:
+                raise
+            raise error from err
         metrics.compile_seconds += time.perf_counter() - start
         metrics.executables_compiled += 1
         exe.call = jitted
         return results
+
+    def compile_error(self, values, err) -> Exception:
+        """The error to raise when tracing or compiling this call's executable fails."""
+        return RuntimeError(
+            f"torchneuron: compiling {self.name} failed for inputs {_describe(values)}: {err}. This is "
+            "a torchneuron bug: please report it with this message. Workaround: run this op on CPU "
+            "(move its inputs with .cpu()).")
 
     def _run_meta(self, values):
         if self.lowering.shape_from_lowering:
@@ -208,7 +214,7 @@ class Kernel(OpSignature):
             return self._shape_from_lowering(values)
         except (RuntimeError, IndexError, ValueError, TypeError) as err:
             # PyTorch's own shape/dtype check failed: keep its message, add the op and inputs.
-            raise type(err)(f"{err}\n[torchneuron] in aten::{self.short_name}{_describe(values)}") from None
+            raise type(err)(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
 
     def _shape_from_lowering(self, values):
         # No meta kernel: ask JAX for the output shapes of the lowering itself.

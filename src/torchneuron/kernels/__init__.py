@@ -1,0 +1,10 @@
+"""Custom kernels: JAX functions (jnp/lax code or Pallas kernels) as PyTorch custom ops.
+
+``torchneuron.kernel("mylib::op")`` registers one; see ``define.py`` for how it is wired and
+docs/kernels.md for the guide.
+"""
+
+from .body import KernelError
+from .define import JaxKernel, kernel, kernel_for_overload, registered
+
+__all__ = ["KernelError", "JaxKernel", "kernel", "kernel_for_overload", "registered"]
