@@ -113,21 +113,23 @@ class Body:
 
     def trace_error(self, err, values, what="tracing the kernel") -> KernelError:
         hint = _hint(err)
+        if isinstance(err, _TRACE_ERRORS):
+            traced = [n for n, k in zip(self.names, self.kinds) if k in (TENSOR, TENSOR_LIST, SCALAR, SCALAR_LIST)]
+            hint += f" Traced arguments of this kernel: {', '.join(traced)}."
         return KernelError(
             f"torchneuron kernel {self.qualname}: {type(err).__name__} while {what} for inputs "
             f"({self.describe(values)}): {_first_lines(err)}" + (f"\n  {hint}" if hint else ""))
 
     def flatten(self, out, values) -> tuple:
         """Check a body's result against the signature and flatten it (mutated first)."""
-        mutated_names = [self.names[i] for i in self.mutated]
-        parts = [f"the new value of {n!r}" for n in mutated_names]
+        parts = [f"new value of {self.names[i]!r}" for i in self.mutated]
         if self.returns == "tensor":
             parts.append("the result")
         elif self.returns == "tuple":
-            parts.append(f"{self.n_returns} results")
+            parts.extend(f"result {j}" for j in range(self.n_returns))
         elif self.returns == "list":
             parts.append("the list of results")
-        expected = len(mutated_names) + self.n_returns
+        expected = len(parts)
         if expected == 0:
             if out is not None and out != ():
                 raise self._error(values, f"returned {_kind_of(out)}; its signature declares no results "
@@ -141,8 +143,8 @@ class Body:
         else:
             if not isinstance(out, list | tuple) or len(out) != expected:
                 got = f"{len(out)} values" if isinstance(out, list | tuple) else _kind_of(out)
-                raise self._error(values, f"returned {got}; its signature needs {expected}: "
-                                          + ", ".join(parts) + " (in this order)")
+                raise self._error(values, f"returned {got}; its signature needs {expected} values: ("
+                                          + ", ".join(parts) + ")")
             items = list(out)
         flat = []
         for i, item in zip(self.mutated, items):

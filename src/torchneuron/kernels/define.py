@@ -132,6 +132,7 @@ class JaxKernel(CustomOpDef):
                 vals[i] = v
             return body.flatten(body.run(vals), vals)
 
+        run.__name__ = self._qualname.replace("::", "_")
         shapes = jax.eval_shape(run, *[_shape_struct(values[i]) for i in dyn_idx])
         n_mut = _count_mutated(body, values)
         outs = []

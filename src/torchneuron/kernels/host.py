@@ -19,6 +19,10 @@ from ..runtime import transfers
 from .body import SCALAR, SCALAR_LIST, TENSOR, TENSOR_LIST, Body, KernelError
 
 
+_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_COPY = torch.ops.aten.copy_.default.redispatch
+
+
 @functools.cache
 def host_device():
     return jax.devices("cpu")[0]
@@ -69,8 +73,8 @@ class HostKernel:
             for t in targets:
                 if t is None:
                     continue
-                with torch.no_grad():
-                    t.copy_(transfers.torch_from_host(results[k]))
+                # Below ADInplaceOrView: the op's own dispatch already bumped the version once.
+                _COPY(_CPU, t, transfers.torch_from_host(results[k]))
                 k += 1
         outs = [transfers.torch_from_host(r) for r in results[k:]]
         return returned(body, outs)
