@@ -18,7 +18,6 @@ from ..metrics import metrics
 from ..runtime import transfers
 from .body import SCALAR, SCALAR_LIST, TENSOR, TENSOR_LIST, Body, KernelError
 
-
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _COPY = torch.ops.aten.copy_.default.redispatch
 

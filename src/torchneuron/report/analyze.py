@@ -98,6 +98,17 @@ def census(run: dict) -> list[dict]:
     return sorted(rows.values(), key=lambda r: (r["failed"] == 0, order[r["path"]], -r["calls"], r["op"]))
 
 
+def custom_kernels(run: dict) -> list[dict]:
+    """The torchneuron.kernel custom ops the run called: calls on every path (neuron eager, CPU,
+    inside compiled graphs), executables compiled that contain them, first neuron call site."""
+    m = run["metrics"]
+    calls, compiles = m.get("custom_kernel_calls", {}), m.get("custom_kernel_compiles", {})
+    sites = {s["op"]: s["site"] for s in run.get("sites", []) if s["path"] == "native"}
+    return [{"kernel": name, "calls": calls.get(name, 0), "compiles": compiles.get(name, 0),
+             "site": sites.get(name)}
+            for name in sorted(set(calls) | set(compiles), key=lambda n: (-calls.get(n, 0), n))]
+
+
 def _steady(run: dict, warmup: int) -> list[dict]:
     return run["steps"][warmup:] if run.get("steps") else []
 
@@ -480,6 +491,7 @@ def build(run: dict, *, baseline: dict | None = None, warm: dict | None = None, 
     """The report as data: what render.py writes as Markdown, HTML and JSON."""
     sections = {
         "census": census(run),
+        "custom_kernels": custom_kernels(run),
         "fallbacks": fallbacks(run, warmup),
         "compilation": compilation(run, warmup, warm),
         "transfers": transfers(run),

@@ -65,6 +65,8 @@ _LIGHT_SCALARS = ("executables_compiled", "compile_seconds", "cache_hits", "h2d_
                   "d2h_copies", "d2h_bytes", "graphs_compiled")
 _LIGHT_COUNTERS = ("fallbacks", "decompositions", "recompiles", "graph_breaks", "float64_downcasts",
                    "graph_fallbacks")
+# Counters reported for the whole run only (not per step).
+_TOTAL_COUNTERS = ("op_calls", "custom_kernel_calls", "custom_kernel_compiles") + _LIGHT_COUNTERS
 
 
 def _light_snapshot() -> dict:
@@ -135,7 +137,7 @@ class Collector:
         self.wall_start = time.time()
         self.t_start = time.perf_counter()
         self.start_snapshot = _light_snapshot()
-        self.start_counters = {k: dict(getattr(metrics, k)) for k in ("op_calls",) + _LIGHT_COUNTERS}
+        self.start_counters = {k: dict(getattr(metrics, k)) for k in _TOTAL_COUNTERS}
         self.start_scalars = {k: getattr(metrics, k) for k in _LIGHT_SCALARS}
         self._hook = register_optimizer_step_post_hook(self._optimizer_stepped)
         _listen_to_jax()
@@ -322,7 +324,7 @@ class Collector:
         after = _delta(end_snapshot, prev_snap) if bounds else None
 
         counters = {k: counter_delta(dict(getattr(metrics, k)), self.start_counters[k])
-                    for k in ("op_calls",) + _LIGHT_COUNTERS}
+                    for k in _TOTAL_COUNTERS}
         totals = {k: getattr(metrics, k) - self.start_scalars[k] for k in _LIGHT_SCALARS}
         totals.update(counters)
 

@@ -107,6 +107,7 @@ def blocks(report: dict) -> list[tuple]:
 
     _environment(b, report)
     _census(b, report)
+    _custom_kernels(b, report)
     _fallbacks(b, report)
     _compilation(b, report)
     _transfers(b, report)
@@ -179,6 +180,17 @@ def _census(b, report):
         b.append(("p", ["float64 results computed as float32 (the device has no float64):"]))
         b.append(("table", ["Op", "Downcasts", "First call site"],
                   [[Code(r["op"]), str(r["count"]), site_cell(r["site"])] for r in f64]))
+
+
+def _custom_kernels(b, report):
+    rows = report.get("custom_kernels") or []
+    if not rows:
+        return
+    b.append(("h", 3, "Custom kernels"))
+    b.append(("p", [f"{len(rows)} torchneuron.kernel custom op(s). Calls count every path (neuron, CPU, "
+                    "compiled graphs); compiles count the executables that contain the kernel."]))
+    b.append(("table", ["Kernel", "Calls", "Compiles", "First call site"],
+              [[Code(r["kernel"]), str(r["calls"]), str(r["compiles"]), site_cell(r["site"])] for r in rows]))
 
 
 def _fallbacks(b, report):
