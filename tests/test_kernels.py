@@ -440,3 +440,57 @@ def test_readiness_report_lists_the_custom_kernels_used(tmp_path):
     assert site["line"] == next(i for i, t in enumerate(lines, 1) if t.endswith("# the first call site"))
     md = (tmp_path / "report.md").read_text()
     assert "### Custom kernels" in md and "tn_test::pallas_square" in md
+
+
+# -- distributed ------------------------------------------------------------------------------------
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_kernel_in_ddp_and_fsdp2_training_matches_one_cpu_process(tmp_path):
+    """Two processes on neuron tensors: DDP, then FSDP2 with the kernel's weight sharded (the
+    kernel sees the all-gathered weight; its gradient is reduce-scattered back)."""
+    script = ROOT / "tests" / "scripts" / "kernel_distributed.py"
+    port, world = _free_port(), 2
+    procs, logs = [], []
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+        log = open(tmp_path / f"rank{rank}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=ROOT, env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+    try:
+        for p in procs:
+            p.wait(timeout=480)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    for rank, (p, text) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{text[-6000:]}"
+    result = torch.load(tmp_path / "result.pt")
+    sys.path.insert(0, str(script.parent))
+    try:
+        import kernel_distributed
+    finally:
+        sys.path.remove(str(script.parent))
+    ref_losses, ref_params = kernel_distributed.reference()
+    for name in ("ddp", "fsdp"):
+        losses, params = result[name]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for k, v in ref_params.items():
+            torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-6, msg=f"{name} {k}")
+    assert result["sharded_norm_weight"] == (16,)       # 32 weights, half on each rank
+    assert result["calls"]["examples::rms_norm"] == 2 * kernel_distributed.STEPS
+    assert result["calls"]["examples::rms_norm_backward"] == 2 * kernel_distributed.STEPS
