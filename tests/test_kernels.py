@@ -306,9 +306,86 @@ def test_adaptive_eager_fuses_the_kernel_into_the_region():
     assert value == pytest.approx(ref.item(), rel=1e-5)
     torch.testing.assert_close(grad, wr.grad, rtol=1e-4, atol=1e-4)
     assert m["custom_kernel_calls"] == {"examples::rms_norm": 3, "examples::rms_norm_backward": 3}
-    # The kernels were recorded and run inside regions, never as their own executables.
+    # The kernels were recorded and run inside regions, never as their own executables: their
+    # compiles are those of the regions that contain them.
     assert m["regions_flushed"] == 3 and m["region_cache_hits"] >= 1
-    assert "examples::rms_norm" not in m["custom_kernel_compiles"]
+    assert m["custom_kernel_compiles"]["examples::rms_norm"] == m["region_compiles"] < 3
+
+
+# -- torch.compile ----------------------------------------------------------------------------------
+def _compiled_counts():
+    from torch._dynamo.utils import counters
+    m = torchneuron.metrics()
+    return counters["stats"]["unique_graphs"], m["graphs_compiled"], sum(m["graph_breaks"].values())
+
+
+def test_compile_lowers_kernels_into_the_graph_executable():
+    from torch._dynamo.utils import counters
+    rms = _example("kernel_rms_norm").rms_norm
+
+    def f(x, w):
+        y = rms(x * 2, w).relu()
+        mean, var = moments(y)
+        return (pallas_square(y.detach()) * mean[:, None]).sum() + var.sum()   # Pallas: no gradient
+
+    torch._dynamo.reset()
+    counters.clear()
+    x, w = torch.randn(4, 8), torch.randn(8)
+    xd, wd = _leaf(x, "neuron"), _leaf(w, "neuron")
+    torchneuron.metrics.reset()
+    out = torch.compile(f, backend="neuron", fullgraph=True)(xd, wd)
+    out.backward()
+    # One Dynamo graph, no break; its forward and backward each one neuron executable.
+    assert _compiled_counts() == (1, 2, 0)
+    m = torchneuron.metrics()
+    assert m["custom_kernel_calls"] == {"examples::rms_norm": 1, "tn_test::moments": 1, "tn_test::pallas_square": 1,
+                                        "examples::rms_norm_backward": 1, "tn_test::moments_backward": 1}
+    assert not any("::" in op for op in m["op_calls"])       # nothing ran as an eager kernel
+    assert m["custom_kernel_compiles"]["examples::rms_norm"] == 1
+    wr = _leaf(w, "cpu")
+    y = _rms_ref(x * 2, wr).relu()
+    yd = y.detach()
+    ref = ((yd * yd + 1) * y.mean(-1)[:, None]).sum() + y.var(-1, unbiased=False).sum()
+    ref.backward()
+    torch.testing.assert_close(out.detach().cpu(), ref.detach(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(wd.grad.cpu(), wr.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_compile_functionalizes_mutating_kernels():
+    def g(x, y):
+        z = y * 2
+        scale_(z, 3.0)            # an intermediate
+        scale_(x, 2.0)            # a graph input
+        scale_(x[1], 5.0)         # a view of a graph input
+        total = add_into(z, y)    # mutation and a result
+        return z + total
+
+    torch._dynamo.reset()
+    compiled = torch.compile(g, backend="neuron", fullgraph=True)
+    x, y = torch.randn(3, 4), torch.randn(4)
+    xd = x.to("neuron")
+    out = compiled(xd, y.to("neuron"))
+    expected = g(x, y)         # the same kernels on CPU tensors, eagerly
+    torch.testing.assert_close(out.cpu(), expected)
+    torch.testing.assert_close(xd.cpu(), x)
+    assert torchneuron.metrics()["graphs_compiled"] == 1
+
+
+def test_compiled_graph_follows_a_re_registered_kernel():
+    def define(factor):
+        @torchneuron.kernel("tn_test::times")
+        def times(x: torch.Tensor) -> torch.Tensor:
+            return x * factor
+        return times
+
+    define(2.0)
+    x = torch.ones(3, device="neuron")
+    torch._dynamo.reset()
+    assert torch.compile(lambda t: torch.ops.tn_test.times(t) + 1, backend="neuron")(x).cpu().tolist() == [3.0] * 3
+    define(5.0)                # the same definition run again (a notebook cell): replaces the kernel
+    torch._dynamo.reset()
+    assert torch.compile(lambda t: torch.ops.tn_test.times(t) + 1, backend="neuron")(x).cpu().tolist() == [6.0] * 3
+    assert torch.ops.tn_test.times(x.cpu()).tolist() == [5.0] * 3
 
 
 # -- errors -------------------------------------------------------------------------------------------

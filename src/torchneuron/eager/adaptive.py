@@ -113,6 +113,8 @@ class Region:
                 metrics.compile_seconds += time.perf_counter() - start
                 metrics.region_compiles += 1
                 metrics.executables_compiled += 1
+                # Custom kernels (torchneuron.kernel) are named with their namespace, ATen ops not.
+                metrics.custom_kernel_compiles.update({exe.op_name for exe, *_ in ops if "::" in exe.op_name})
                 _regions[structure] = fn
             else:
                 metrics.region_cache_hits += 1

@@ -11,12 +11,15 @@ arguments named in ``mutates_args`` (in signature order), then the declared resu
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import jax
 import numpy as np
 import torch
 
 from ..runtime.dtypes import jax_dtype
+
+_serials = itertools.count()
 
 # What a body receives for each schema argument type.
 TENSOR, TENSOR_LIST, SCALAR, SCALAR_LIST, DTYPE, STATIC = range(6)
@@ -76,6 +79,7 @@ class Body:
         self.returns, self.n_returns = _return_kind(schema)
         # The platform whose executables the body is traced for (None: the host CPU).
         self.platform = platform
+        self.serial = next(_serials)     # tells this registration from a later one of the same name
 
     # -- arguments ---------------------------------------------------------------------------------
     def split(self, values):
