@@ -124,8 +124,10 @@ def test_opcheck(device):
     x = torch.randn(4, 8, device=device, requires_grad=True)
     w = torch.randn(8, device=device, requires_grad=True)
     kw = {} if utils is None else {"test_utils": utils}
-    for op, args in ((rms, (x, w)), (moments, (x,)), (scale_, (x.detach().clone(), 2.0)),
-                     (affine, (x, torch.randn(8, 3, device=device), torch.randn(3, device=device), 0.5))):
+    cases = [(rms, (x, w)), (scale_, (x.detach().clone(), 2.0))]
+    if device == "cpu":     # the same machinery on both devices: the rest once is enough
+        cases += [(moments, (x,)), (affine, (x, torch.randn(8, 3), torch.randn(3), 0.5))]
+    for op, args in cases:
         result = torch.library.opcheck(op, args, **kw)
         assert set(result.values()) == {"SUCCESS"}, (op, result)
 
