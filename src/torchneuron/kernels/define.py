@@ -23,7 +23,7 @@ from ..config import config
 from ..eager.kernel import Kernel
 from ..metrics import metrics
 from ..ops.registry import Lowering
-from ..runtime.dtypes import torch_dtype
+from ..runtime.dtypes import jax_dtype, torch_dtype
 from . import grad
 from .body import SCALAR, SCALAR_LIST, STATIC, TENSOR, TENSOR_LIST, Body, KernelError, describe_value
 from .host import HostKernel, returned, schema_values
@@ -183,7 +183,6 @@ def _concrete(v):
 
 
 def _shape_struct(v):
-    from ..runtime.dtypes import jax_dtype
     if isinstance(v, torch.Tensor):
         # The neuron backend compiles static shapes: symbolic sizes are specialised here.
         return jax.ShapeDtypeStruct(tuple(int(s) for s in v.shape), jax_dtype(v.dtype))
