@@ -81,6 +81,11 @@ def ste_round(x: torch.Tensor) -> torch.Tensor:
     return jnp.round(x)
 
 
+@torchneuron.kernel("tn_test::iota")
+def iota(n: int, device: torch.device, step: torch.types.Number = 1) -> torch.Tensor:
+    return jnp.arange(n, dtype=jnp.float32) * step
+
+
 def _square_kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] * x_ref[...] + 1.0
 
@@ -209,6 +214,12 @@ def test_multiple_and_list_outputs(device):
     xr = _leaf(x, "cpu")
     xr.var(1, unbiased=False).sum().backward()
     torch.testing.assert_close(xd.grad.cpu(), xr.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernel_without_tensor_arguments_runs_on_its_device_argument(device):
+    out = iota(4, torch.device(device), 0.5)
+    assert out.device.type == device and out.cpu().tolist() == [0.0, 0.5, 1.0, 1.5]
 
 
 def test_fake_kernel_from_eval_shape():
@@ -467,6 +478,12 @@ def test_registering_a_name_twice_is_an_error():
         torchneuron.kernel("aten::relu")(other)
     with pytest.raises(KernelError, match="namespace::op_name"):
         torchneuron.kernel("no_namespace")(other)
+
+    def no_device(n: int) -> torch.Tensor:
+        return jnp.zeros(n)
+
+    with pytest.raises(KernelError, match="needs a `device: torch.device` argument"):
+        torchneuron.kernel("tn_test::no_device")(no_device)
     # The original is untouched.
     assert tile(torch.ones(2), 2).tolist() == [1.0] * 4
 

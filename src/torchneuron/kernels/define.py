@@ -17,6 +17,7 @@ import importlib
 
 import jax
 import torch
+from torch._library import utils as library_utils
 from torch._library.custom_ops import CustomOpDef
 
 from ..config import config
@@ -27,6 +28,9 @@ from ..runtime.dtypes import jax_dtype, torch_dtype
 from . import grad
 from .body import SCALAR, SCALAR_LIST, STATIC, TENSOR, TENSOR_LIST, Body, KernelError, describe_value
 from .host import HostKernel, returned, schema_values
+
+_KEYS = {"neuron": torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1),
+         "cpu": torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)}
 
 # qualname -> JaxKernel, for every kernel registered in this process (forward and backward).
 _REGISTRY: dict[str, JaxKernel] = {}
@@ -76,11 +80,26 @@ class JaxKernel(CustomOpDef):
         self.host_kernel = HostKernel(body, overload._schema)
         self._lib.impl(name, self._neuron_impl(), "PrivateUse1")
         self._lib.impl(name, self.host_kernel, "CPU")
+        if not library_utils.has_tensor_arg(overload._schema):
+            self._lib.impl(name, self._backend_select(qualname), "BackendSelect", with_keyset=True)
         self.register_fake(self._fake)
         _BY_OVERLOAD[overload] = self.neuron_kernel
         self._static = [(a.name, i) for i, (a, k) in enumerate(zip(overload._schema.arguments, body.kinds))
                         if k == STATIC]
         self.backward_op = None
+
+    def _backend_select(self, qualname):
+        # No tensor argument tells the dispatcher the device: the ``device`` argument does.
+        index = library_utils.get_device_arg_index(self._opoverload._schema)
+        op = self._opoverload
+
+        def backend_select(keyset, *args, **kwargs):
+            device = torch.device(args[index] if index < len(args) else kwargs["device"])
+            key = _KEYS.get(device.type)
+            if key is None:
+                raise KernelError(f"torchneuron kernel {qualname} runs on neuron and cpu, not on {device}")
+            return op.redispatch(key, *args, **kwargs)
+        return backend_select
 
     def _neuron_impl(self):
         kernel, name = self.neuron_kernel, self._qualname
@@ -229,6 +248,9 @@ def kernel(name: str, fn=None, /, *, mutates_args=(), backward=None, tags=()):
             raise KernelError(
                 f"torchneuron kernel {qualname}: a kernel returns tensors; declare -> Tensor, "
                 f"-> tuple[Tensor, ...], -> list[Tensor] or -> None (got {parsed}).")
+        if not library_utils.has_tensor_arg(parsed) and library_utils.get_device_arg_index(parsed) is None:
+            raise KernelError(f"torchneuron kernel {qualname}: a kernel without tensor arguments needs a "
+                              "`device: torch.device` argument (the device its results live on).")
         where = _where(fn)
         _unregister(qualname)
         op = JaxKernel(qualname, fn, schema, mutates_args=mutates_args, backward=backward, tags=tags,
