@@ -30,7 +30,8 @@ from .body import SCALAR, SCALAR_LIST, STATIC, TENSOR, TENSOR_LIST, Body, Kernel
 from .host import HostKernel, returned, schema_values
 
 _KEYS = {"neuron": torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1),
-         "cpu": torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)}
+         "cpu": torch._C.DispatchKeySet(torch._C.DispatchKey.CPU),
+         "meta": torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)}
 
 # qualname -> JaxKernel, for every kernel registered in this process (forward and backward).
 _REGISTRY: dict[str, JaxKernel] = {}
