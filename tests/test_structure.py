@@ -17,7 +17,7 @@ from torchneuron.ops.signature import lowers_in_eager, registry_name, signature_
 
 _ROOT = os.path.dirname(os.path.abspath(torchneuron.__file__))
 # Layers, lowest first: a package may import only from its own layer or those below.
-_LAYERS = {"runtime": 0, "ops": 1, "eager": 2, "compile": 3}
+_LAYERS = {"runtime": 0, "ops": 1, "eager": 2, "kernels": 2, "compile": 3}
 
 
 def _module_name(path: str) -> str:

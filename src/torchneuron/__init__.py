@@ -83,7 +83,7 @@ def eager_mode(mode: str):
 def kernel(name: str, fn=None, /, *, mutates_args=(), backward=None, tags=()):
     """Register a JAX function (jnp/lax code or a Pallas kernel) as the PyTorch custom op ``name``
     ("namespace::op"), shaped like ``torch.library.custom_op``. See docs/kernels.md."""
-    from .kernels import kernel as _kernel
+    from .kernels import kernel as _kernel  # not at the top: only torch-free modules there (see there)
     return _kernel(name, fn, mutates_args=mutates_args, backward=backward, tags=tags)
 
 

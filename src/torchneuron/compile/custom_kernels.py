@@ -1,7 +1,7 @@
 """Custom kernels (``torchneuron.kernel``) inside torch.compile graphs.
 
-A functional kernel is an ordinary graph node (its OpOverload) and lowers through its eager
-``Kernel``: the same JAX body, traced into the graph's one executable. A mutating kernel reaches the
+A functional kernel is an ordinary graph node (its OpOverload) whose signature ``kernels``
+registered with ``ops.signature``: the same JAX body, traced into the graph's one executable. A mutating kernel reaches the
 backend functionalized by AOTAutograd, as an ``auto_functionalized`` (v1) or
 ``auto_functionalized_v2`` node: the op's arguments, the mutated ones given as views of "bases",
 and a result of (the op's outputs..., the new value of every base). ``run_auto_functionalized``
@@ -21,35 +21,30 @@ from torch._higher_order_ops.auto_functionalize import (
     read_view_information_from_args,
 )
 
-from ..eager import layout
-from ..eager.kernel import _cast, call_lowering
-from ..kernels import kernel_for_overload
+from ..kernels import NeuronKernel
+from ..ops.signature import cast, signature_for
+from ..runtime import layout
 from ..runtime.dtypes import device_dtype, jax_dtype
 
 AUTO_FUNCTIONALIZED = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
 
 
-def kernel_for(op):
-    """The eager Kernel of a torchneuron.kernel OpOverload, or None."""
-    return kernel_for_overload(op)
-
-
-def auto_functionalized_kernel(node):
-    """The Kernel of the mutating op an ``auto_functionalized`` node wraps, or None."""
+def auto_functionalized_kernel(node, platform):
+    """The signature of the mutating custom kernel an ``auto_functionalized`` node wraps, or None."""
     op = node.args[0] if node.args else None
-    return kernel_for_overload(op) if isinstance(op, torch._ops.OpOverload) else None
+    sig = signature_for(op, platform) if isinstance(op, torch._ops.OpOverload) else None
+    return sig if isinstance(sig, NeuronKernel) else None
 
 
-def names_in(steps) -> list[str]:
-    """Names of the custom kernels a planned graph runs (one entry per node)."""
-    return [s.kernel.name for s in steps if getattr(s.kernel, "body", None) is not None]
+def kernels_in(steps) -> list:
+    """The custom kernels a planned graph runs (one entry per node)."""
+    return [s.signature for s in steps if isinstance(s.signature, NeuronKernel)]
 
 
-def fingerprint(steps) -> str:
+def fingerprint(kernels) -> str:
     """Which registration of each custom kernel a graph runs: a kernel re-registered with a new body
     (a notebook cell run again) must not reuse executables traced from the old one."""
-    return ";".join(sorted({f"{s.kernel.name}#{s.kernel.body.serial}" for s in steps
-                            if getattr(s.kernel, "body", None) is not None}))
+    return ";".join(sorted({f"{k.name}#{k.body.serial}" for k in kernels}))
 
 
 def run_auto_functionalized(k, node, lookup, meta_of):
@@ -81,8 +76,8 @@ def run_auto_functionalized(k, node, lookup, meta_of):
     out_meta = meta_of(node)
     n_returns = len(schema.returns)
     new_meta = out_meta[0] if k.returns_list else list(out_meta[:n_returns])
-    mutated_vals, new_vals = call_lowering(k, values, None, None, len(targets), len(new_meta))
-    outs = [_cast(jnp.asarray(v), device_dtype(m.dtype, k.name)) for v, m in zip(new_vals, new_meta)]
+    mutated_vals, new_vals = k.call_lowering(values, None, None, len(targets), len(new_meta))
+    outs = [cast(jnp.asarray(v), device_dtype(m.dtype, k.name)) for v, m in zip(new_vals, new_meta)]
     if k.returns_list:
         head = [outs]
     elif n_returns == 0:

@@ -47,7 +47,8 @@ def digest(key) -> str:
 
 def cached(graph_hash, key, device_index, need_trace: bool):
     """The executable of this graph and input signature from memory, else from the on-disk index
-    (unless ``need_trace``: dumps need the StableHLO), else None."""
+    (unless ``need_trace``: dumps need the StableHLO, custom kernels' code is not in the key), else
+    None."""
     shared_key = (graph_hash, key, device_index)
     exe = _shared.get(shared_key)
     if exe is not None:
@@ -89,9 +90,10 @@ def compile_traced(fn, bufs, runtime):
     return lowered, compiled, hits.count
 
 
-def remember(graph_hash, key, device_index, exe: Executable, compiled, from_jax_cache: bool) -> None:
-    """Keep a new executable in memory, and on disk when XLA compiled it just now."""
-    if not from_jax_cache:
+def remember(graph_hash, key, device_index, exe: Executable, compiled, from_jax_cache: bool,
+             on_disk: bool = True) -> None:
+    """Keep a new executable in memory, and on disk when XLA compiled it just now (and ``on_disk``)."""
+    if on_disk and not from_jax_cache:
         # Only a freshly compiled executable goes into the index: one that XLA deserialized
         # from JAX's cache serializes again without its fused CPU kernels, and loading that
         # entry later fails at run time ("Function ... not found").

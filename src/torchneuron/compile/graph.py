@@ -33,7 +33,7 @@ from ..metrics import metrics
 from ..ops.signature import registry_name, signature_for
 from ..runtime import memory, rng, transfers
 from ..runtime.device import current_device
-from . import cache, executables
+from . import cache, custom_kernels, executables
 from .errors import NeuronCompileError, NodeFailure, lowering_error, metric_name
 from .foreach import foreach_plan
 from .interpreter import Interpreter, Step, call_signature
@@ -78,6 +78,10 @@ class GraphProgram:
                 raise err
             self._use_eager([metric_name(n) for n, _ in missing], err)
         self.random = any(s.random for s in self.steps)
+        # torchneuron.kernel ops: counted per run and per compile; their code is not part of the
+        # graph's text, so the hash holds their registrations and the on-disk index is skipped
+        # (JAX's own cache, keyed by the traced program, still applies).
+        self.custom_kernels = [k.name for k in custom_kernels.kernels_in(self.steps)]
         self.output_plan = OutputPlan(self.placeholders, self.output_node)
         self.graph_hash = self._hash()
 
@@ -100,6 +104,14 @@ class GraphProgram:
             target = node.target
             if target is operator.getitem:
                 steps.append(Step(node, "getitem"))
+                continue
+            if target in custom_kernels.AUTO_FUNCTIONALIZED:
+                # A mutating custom kernel, functionalized by AOTAutograd.
+                sig = custom_kernels.auto_functionalized_kernel(node, config.platform)
+                if sig is None:
+                    missing.append((node, f"the mutating op {node.args[0]} has no neuron lowering"))
+                else:
+                    steps.append(Step(node, "auto_functionalized", sig))
                 continue
             if not isinstance(target, torch._ops.OpOverload):
                 missing.append((node, "only ATen operators can be lowered"))
@@ -133,6 +145,7 @@ class GraphProgram:
             h.update(str((value.dtype, value.shape)).encode())
             h.update(np.ascontiguousarray(value).tobytes())
         h.update(f"{self.kind}|{config.float64}".encode())
+        h.update(custom_kernels.fingerprint(custom_kernels.kernels_in(self.steps)).encode())
         return h.hexdigest()
 
     def _use_eager(self, ops, err):
@@ -170,6 +183,8 @@ class GraphProgram:
                         return self._run_eager(args)
                     self.executables[key] = exe
         results = exe.call(*bufs, *runtime)
+        if self.custom_kernels:
+            metrics.custom_kernel_calls.update(self.custom_kernels)
         return self._finish(exe, results, args, addrs, device_index)
 
     def _run_eager(self, args):
@@ -203,7 +218,7 @@ class GraphProgram:
             metrics.recompiles[f"{self.kind} graph called with a new input layout "
                                "(dtype/shape/strides/storage offset/aliasing)"] += 1
         exe = executables.cached(self.graph_hash, key, device_index,
-                                 need_trace=bool(self.dump_dir or config.dump_dir))
+                                 need_trace=bool(self.dump_dir or config.dump_dir or self.custom_kernels))
         if exe is not None:
             return exe
         fn = Interpreter(self, specs, len(bufs))
@@ -222,7 +237,10 @@ class GraphProgram:
         cache.dump(name, self.gm, lowered, specs, self.dump_dir)
         exe = executables.Executable(compiled, len(self.output_plan.buffers), len(self.output_plan.host_outputs),
                                      fn.writes, fn.host_writes, name)
-        executables.remember(self.graph_hash, key, device_index, exe, compiled, from_jax_cache=bool(jax_cache_hits))
+        if not jax_cache_hits:
+            metrics.custom_kernel_compiles.update(set(self.custom_kernels))
+        executables.remember(self.graph_hash, key, device_index, exe, compiled, from_jax_cache=bool(jax_cache_hits),
+                             on_disk=not self.custom_kernels)
         return exe
 
 

@@ -17,6 +17,7 @@ from ..ops.signature import cast, cast_and_broadcast, read_input
 from ..runtime import layout, memory, transfers
 from ..runtime.device import device_mismatch_error
 from ..runtime.dtypes import device_dtype, jax_dtype
+from .custom_kernels import run_auto_functionalized
 from .errors import NodeFailure, meta_of
 from .outputs import static_value
 
@@ -25,7 +26,8 @@ _records = memory.allocator.records
 
 class Step:
     """One node to evaluate: ``kind`` is op/index_put (``signature`` an OpSignature), foreach
-    (``signature`` a ForeachPlan), getitem or sym."""
+    (``signature`` a ForeachPlan), auto_functionalized (``signature`` the mutating custom kernel's),
+    getitem or sym."""
 
     __slots__ = ("node", "kind", "signature")
 
@@ -167,6 +169,9 @@ class Interpreter:
         if kind == "foreach":
             env[node] = self._foreach(step, env, key)
             return
+        if kind == "auto_functionalized":
+            env[node] = run_auto_functionalized(step.signature, node, lambda v: _lookup(v, env), meta_of)
+            return
         sig = step.signature
         values = sig.bind(node.args, node.kwargs, missing=None)
         metas = [meta_of(v) for v in values]
@@ -228,7 +233,7 @@ def _apply(sig, values, arrays, metas, out_meta, key):
             outs.append(None)
             continue
         if value is None:
-            raise RuntimeError(f"lowering of aten::{sig.short_name} returned None for a requested output")
+            raise RuntimeError(f"lowering of {sig.name} returned None for a requested output")
         outs.append(sig.fit_output(value, device_dtype(m.dtype, sig.short_name), m.shape, reshape_same_size=True))
     # What a return aliasing a mutated argument gives back: that argument's new value.
     sources = [None] * len(values)

@@ -5,6 +5,6 @@ docs/kernels.md for the guide.
 """
 
 from .body import KernelError
-from .define import JaxKernel, kernel, kernel_for_overload, registered
+from .define import JaxKernel, NeuronKernel, kernel, registered
 
-__all__ = ["KernelError", "JaxKernel", "kernel", "kernel_for_overload", "registered"]
+__all__ = ["KernelError", "JaxKernel", "NeuronKernel", "kernel", "registered"]

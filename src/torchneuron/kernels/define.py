@@ -24,6 +24,7 @@ from ..config import config
 from ..eager.kernel import Kernel
 from ..metrics import metrics
 from ..ops.registry import Lowering
+from ..ops.signature import register_signature
 from ..runtime.dtypes import jax_dtype, torch_dtype
 from . import grad
 from .body import SCALAR, SCALAR_LIST, STATIC, TENSOR, TENSOR_LIST, Body, KernelError, describe_value
@@ -35,15 +36,13 @@ _KEYS = {"neuron": torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1),
 
 # qualname -> JaxKernel, for every kernel registered in this process (forward and backward).
 _REGISTRY: dict[str, JaxKernel] = {}
-# OpOverload -> its neuron Kernel: what torch.compile graphs lower custom-op nodes with.
-_BY_OVERLOAD: dict = {}
 
 
 class NeuronKernel(Kernel):
     """The PrivateUse1 kernel of a custom op: an eager ``Kernel`` whose lowering is the JAX body."""
 
     def __init__(self, overload, body: Body):
-        super().__init__(overload, Lowering(body.qualname, body, derive_variants=False))
+        super().__init__(overload, Lowering(name=body.qualname, fn=body, derive_variants=False))
         # Metrics, profiler ranges and messages name the op with its namespace ("mylib::rms_norm").
         self.short_name = self.name
         self.body = body
@@ -84,7 +83,7 @@ class JaxKernel(CustomOpDef):
         if not library_utils.has_tensor_arg(overload._schema):
             self._lib.impl(name, self._backend_select(qualname), "BackendSelect", with_keyset=True)
         self.register_fake(self._fake)
-        _BY_OVERLOAD[overload] = self.neuron_kernel
+        register_signature(overload, self.neuron_kernel)   # how torch.compile graphs lower it
         self._static = [(a.name, i) for i, (a, k) in enumerate(zip(overload._schema.arguments, body.kinds))
                         if k == STATIC]
         self.backward_op = None
@@ -325,12 +324,7 @@ def _unregister(qualname):
     # torch.library.custom_op does; CustomOpDef drops the previous definition's library.
     old = _REGISTRY.pop(qualname, None)
     if old is not None:
-        _BY_OVERLOAD.pop(old._opoverload, None)
-
-
-def kernel_for_overload(op):
-    """The neuron Kernel of a custom-kernel OpOverload, or None."""
-    return _BY_OVERLOAD.get(op)
+        register_signature(old._opoverload, None)
 
 
 def registered() -> dict[str, JaxKernel]:

@@ -321,7 +321,7 @@ class OpSignature:
             new_vals = list(new_vals[0])
         if len(new_vals) != n_new or len(mutated_vals) != n_mut:
             raise RuntimeError(
-                f"torchneuron: lowering of aten::{self.short_name} returned {len(results)} values; the "
+                f"torchneuron: lowering of {self.name} returned {len(results)} values; the "
                 f"schema needs {n_mut} mutated + {n_new} new outputs (a bug in the lowering)"
             )
         return mutated_vals, new_vals
@@ -343,7 +343,7 @@ class OpSignature:
         if reshape_same_size and value.size == 0:
             return jnp.zeros(shape, value.dtype)
         raise RuntimeError(
-            f"torchneuron: lowering of aten::{self.short_name} produced shape {tuple(value.shape)}, "
+            f"torchneuron: lowering of {self.name} produced shape {tuple(value.shape)}, "
             f"PyTorch expects {shape} (a bug in the lowering)")
 
 
@@ -390,17 +390,31 @@ def read_input(spec, bufs, runtime):
 
 # -- signatures for graphs ------------------------------------------------------------------------
 _signatures: dict = {}
+# Ops outside ATen that bring their own lowering (torchneuron.kernel custom ops), registered by the
+# package that defines them: graphs find them here like ATen ops.
+_registered: dict = {}
+
+
+def register_signature(op, sig) -> None:
+    """Make ``sig`` (an OpSignature with its lowering) the signature graphs lower ``op`` with;
+    ``sig=None`` forgets it."""
+    if sig is None:
+        _registered.pop(op, None)
+    else:
+        _registered[op] = sig
 
 
 def signature_for(op, platform: str):
-    """The signature (with its lowering) an ATen overload runs with, or None without a lowering.
+    """The signature (with its lowering) an overload runs with, or None without a lowering.
 
-    The overload's own lowering, or for an in-place overload the functional lowering eager mode
+    One registered with ``register_signature`` (custom kernels); for ATen: the overload's own lowering, or for an in-place overload the functional lowering eager mode
     derives it from (``add_.Tensor`` from ``add.Tensor``).
     """
+    sig = _registered.get(op)
+    if sig is not None:
+        return sig
     if op in _signatures:
         return _signatures[op]
-    sig = None
     if isinstance(op, torch._ops.OpOverload) and op.namespace == "aten":
         name = registry_name(op)
         low = registry.get(name)
