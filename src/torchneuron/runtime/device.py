@@ -16,6 +16,11 @@ from . import memory, pjrt, rng
 
 _state = threading.local()
 
+# Read by torch.utils.checkpoint (and so by every HF gradient_checkpointing_enable()): it saves and
+# restores the RNG state only of device modules that say they are initialised, and a recompute
+# without it draws different dropout masks. Like is_initialized(): the device needs no lazy init.
+_initialized = True
+
 
 def is_available() -> bool:
     try:

