@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import torchneuron
+import torchneuron  # noqa: F401
 
 DEV = "neuron"
 
@@ -66,3 +66,54 @@ def test_rng_states_round_trip_through_a_checkpoint_file(tmp_path):
     state = torch.neuron.get_rng_state()
     for device in (0, "neuron", "neuron:0", torch.device("neuron", 0)):
         assert torch.equal(torch.neuron.get_rng_state(device), state)
+
+
+# -- torch.Generator(device="neuron") ----------------------------------------------------------------
+def test_neuron_generator_streams_are_reproducible_and_independent_of_the_global_one():
+    g = torch.Generator(device=DEV).manual_seed(0)
+    assert g.device == torch.device("neuron", 0) and isinstance(g, torch.Generator)
+    assert isinstance(torch.default_generator, torch.Generator) and type(torch.Generator()) is torch._C.Generator
+    torch.manual_seed(5)
+    expected_global = torch.rand(4, device=DEV).cpu()
+    torch.manual_seed(5)
+    a = torch.randn(2, 3, generator=g, device=DEV).cpu()
+    b = torch.randn(2, 3, generator=g, device=DEV).cpu()
+    assert not torch.equal(a, b)
+    assert torch.equal(torch.rand(4, device=DEV).cpu(), expected_global)   # the global stream did not move
+    g.manual_seed(0)
+    assert torch.equal(torch.randn(2, 3, generator=g, device=DEV).cpu(), a)
+    state = g.get_state()
+    twin = torch.Generator(DEV).set_state(state)
+    assert torch.equal(torch.rand(5, generator=g, device=DEV).cpu(), torch.rand(5, generator=twin, device=DEV).cpu())
+    assert g.initial_seed() == 0
+
+
+@pytest.mark.parametrize("draw", [
+    lambda g: torch.randint(0, 10, (8,), generator=g, device=DEV),
+    lambda g: torch.randperm(8, generator=g, device=DEV),
+    lambda g: torch.multinomial(torch.ones(6, device=DEV), 3, generator=g),
+    lambda g: torch.bernoulli(torch.full((8,), 0.5, device=DEV), generator=g),
+    lambda g: torch.empty(8, device=DEV).uniform_(generator=g),
+    lambda g: torch.empty(8, device=DEV).exponential_(generator=g),
+    lambda g: torch.normal(torch.zeros(8, device=DEV), 1.0, generator=g),
+])
+def test_random_ops_draw_from_the_generator_they_are_given(draw):
+    first = draw(torch.Generator(DEV).manual_seed(7)).cpu()
+    assert torch.equal(draw(torch.Generator(DEV).manual_seed(7)).cpu(), first)
+
+
+def test_a_cpu_generator_on_a_neuron_op_is_refused_as_on_cuda():
+    with pytest.raises(RuntimeError, match="Expected a 'neuron' device type for generator but found 'cpu'"):
+        torch.randn(3, generator=torch.Generator().manual_seed(0), device=DEV)
+
+
+def test_neuron_generators_pickle_copy_and_default_generators():
+    import copy
+    import pickle
+    g = torch.Generator(DEV).manual_seed(3)
+    torch.rand(2, generator=g, device=DEV)
+    for twin in (pickle.loads(pickle.dumps(g)), copy.deepcopy(g), g.clone_state()):
+        assert torch.equal(twin.get_state(), g.get_state()) and twin.initial_seed() == 3
+    default = torch.neuron.default_generators[0]
+    torch.neuron.manual_seed(11)
+    assert default.initial_seed() == 11 and torch.equal(default.get_state(), torch.neuron.get_rng_state())

@@ -29,7 +29,7 @@ def register() -> None:
     from . import distributed, integrations, profiler
     from .config import observe
     from .eager import adaptive, registration
-    from .runtime import autocast, modules, printing, serialization
+    from .runtime import autocast, modules, printing, rng, serialization
     from .runtime import device as device_module
 
     class _Hooks(torch._C._acc.PrivateUse1Hooks):
@@ -52,6 +52,7 @@ def register() -> None:
     registration.register_all()
     observe("eager_mode", adaptive.apply_mode)
     printing.install()
+    rng.install()              # torch.Generator(device="neuron")
     modules.install()
     autocast.install()
     # The `neuron` c10d backend: a registry entry only (torch.distributed is already imported).

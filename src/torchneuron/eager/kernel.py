@@ -104,8 +104,9 @@ class Kernel(OpSignature):
         statics = tuple(_freeze(values[i]) for i in self.static)
         random = self.lowering.random
         if random:
-            gen = rng.generator(ctx.device_index if ctx.device_index is not None else current_device())
-            runtime.extend(gen.next_key_inputs())
+            gen = None if self.generator_index is None else values[self.generator_index]
+            state = rng.state_of(gen, ctx.device_index if ctx.device_index is not None else current_device())
+            runtime.extend(state.next_key_inputs())
         if ctx.device_index is None:   # no tensor inputs (factories): the device argument decides
             ctx.device_index = self.output_device(values)
         key = (self, tuple(specs), statics, tuple(ctx.storages), ctx.device_index)
@@ -205,7 +206,10 @@ class Kernel(OpSignature):
     def _run_meta(self, values):
         if self.lowering.shape_from_lowering:
             return self._shape_from_lowering(values)
-        pos, kw = self.split_call([_to_meta(v) for v in values])
+        meta_values = [_to_meta(v) for v in values]
+        if self.generator_index is not None:   # some meta kernels (refs) refuse any generator
+            meta_values[self.generator_index] = None
+        pos, kw = self.split_call(meta_values)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -339,6 +343,7 @@ class _Traced:
         # Only static arguments are kept: the cache entry must not keep the first call's tensors
         # (and their device memory) alive.
         dynamic = set(kernel.dynamic)
+        dynamic.add(kernel.generator_index)
         self.values = [None if i in dynamic else v for i, v in enumerate(values)]
         self.out_specs = out_specs
         self.write_targets = write_targets

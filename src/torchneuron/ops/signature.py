@@ -34,7 +34,7 @@ REQUIRED = object()
 
 # Argument kinds: what an argument becomes in an executable (a traced input, a runtime scalar, or a
 # compiled-in Python value).
-TENSOR, OPT_TENSOR, TENSOR_LIST, OPT_TENSOR_LIST, SCALAR, OPT_SCALAR, STATIC = range(7)
+TENSOR, OPT_TENSOR, TENSOR_LIST, OPT_TENSOR_LIST, SCALAR, OPT_SCALAR, STATIC, GENERATOR = range(8)
 
 
 def kind_of(arg) -> int:
@@ -52,6 +52,9 @@ def kind_of(arg) -> int:
         return SCALAR
     if t == "Optional[number]":
         return OPT_SCALAR
+    if t == "Optional[Generator]":
+        # Neither input nor compiled in: it only picks the (seed, offset) inputs of random ops.
+        return GENERATOR
     return STATIC
 
 
@@ -167,11 +170,12 @@ class OpSignature:
         self.index_of = {a.name: i for i, a in enumerate(args)}
         self.kinds = [kind_of(a) for a in args]
         # Arguments that are inputs of an executable (traced or runtime values) vs compiled in.
-        self.dynamic = [i for i, k in enumerate(self.kinds) if k != STATIC]
+        self.generator_index = next((i for i, k in enumerate(self.kinds) if k == GENERATOR), None)
+        self.dynamic = [i for i, k in enumerate(self.kinds) if k not in (STATIC, GENERATOR)]
         self.static = [i for i, k in enumerate(self.kinds) if k == STATIC]
         if lowering is not None and lowering.static_scalars:
             self.dynamic = [i for i in self.dynamic if self.kinds[i] not in (SCALAR, OPT_SCALAR)]
-            self.static = sorted(set(range(len(args))) - set(self.dynamic))
+            self.static = sorted(set(range(len(args))) - set(self.dynamic) - {self.generator_index})
         extra_mutated = lowering.mutates if lowering is not None else ()
         # Mutated arguments (in-place self, out=, running stats...) in schema order.
         self.mutated = [i for i, a in enumerate(args) if writes(a) or a.name in extra_mutated]

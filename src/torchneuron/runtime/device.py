@@ -164,6 +164,14 @@ def set_rng_state(new_state: torch.Tensor, device="neuron") -> None:
     rng.generator(_index(device)).set_state(new_state)
 
 
+def __getattr__(name):
+    # torch.neuron.default_generators, like torch.cuda.default_generators (made on first use).
+    if name == "default_generators":
+        value = globals()[name] = rng.default_generators()
+        return value
+    raise AttributeError(f"module 'torch.neuron' has no attribute {name!r}")
+
+
 def get_rng_state_all() -> list:
     return [get_rng_state(i) for i in range(device_count())]
 
