@@ -117,3 +117,67 @@ def test_neuron_generators_pickle_copy_and_default_generators():
     default = torch.neuron.default_generators[0]
     torch.neuron.manual_seed(11)
     assert default.initial_seed() == 11 and torch.equal(default.get_state(), torch.neuron.get_rng_state())
+
+
+# -- integer images through interpolation and pooling -----------------------------------------------
+def _image(dtype, shape, channels_last=False):
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, shape, dtype=torch.int64)
+    x = x.to(dtype) if dtype != torch.bool else x > 127
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+UINT8_RESIZES = [
+    # (mode, antialias, align_corners, size or scale_factor)
+    ("bilinear", False, False, (5, 6)), ("bilinear", False, True, (17, 20)), ("bilinear", False, False, (9, 23)),
+    ("bilinear", True, False, (5, 6)), ("bilinear", True, True, (4, 30)), ("bilinear", True, False, 0.4),
+    ("bicubic", False, False, (5, 6)), ("bicubic", False, True, (17, 20)), ("bicubic", False, False, 2.5),
+    ("bicubic", True, False, (5, 6)), ("bicubic", True, False, (17, 20)), ("bicubic", True, True, (3, 31)),
+]
+
+
+@pytest.mark.parametrize("channels", [3, 5])   # CPU takes its AVX kernel for <= 4 channels, its generic one above
+@pytest.mark.parametrize("mode,antialias,align_corners,size", UINT8_RESIZES)
+def test_uint8_interpolation_matches_cpu_exactly(channels, mode, antialias, align_corners, size):
+    x = _image(torch.uint8, (2, channels, 9, 11), channels_last=channels == 3)
+    kw = {"mode": mode, "antialias": antialias, "align_corners": align_corners}
+    kw.update({"scale_factor": size} if isinstance(size, float) else {"size": size})
+    expected = F.interpolate(x, **kw)
+    got = F.interpolate(x.to(DEV), **kw)
+    assert got.dtype == torch.uint8
+    torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
+@pytest.mark.parametrize("fn", [
+    lambda x: F.interpolate(x, size=(5, 6), mode="bilinear"),
+    lambda x: F.interpolate(x, size=(5, 6), mode="bicubic"),
+    lambda x: F.interpolate(x, size=(5, 6), mode="bilinear", antialias=True),
+    lambda x: F.interpolate(x, size=(5, 6), mode="area"),
+    lambda x: F.interpolate(x.flatten(2), size=5, mode="linear"),
+    lambda x: F.interpolate(x.unsqueeze(2), size=(2, 5, 6), mode="trilinear"),
+    lambda x: F.grid_sample(x, torch.zeros(2, 3, 3, 2, device=x.device), align_corners=False),
+], ids=["bilinear", "bicubic", "bilinear-aa", "area", "linear", "trilinear", "grid_sample"])
+def test_interpolation_of_other_integer_dtypes_is_refused_as_on_cpu(fn, dtype):
+    # CPU has no kernel for these; neuron must not return numbers computed with integer weights.
+    x = _image(dtype, (2, 3, 9, 11))
+    with pytest.raises(NotImplementedError, match="not implemented for"):
+        fn(x)
+    with pytest.raises(NotImplementedError, match="not implemented for"):
+        fn(x.to(DEV))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int32, torch.int64, torch.bool])
+@pytest.mark.parametrize("fn", [
+    lambda x: F.interpolate(x, size=(7, 13), mode="nearest"),
+    lambda x: F.interpolate(x, size=(7, 13), mode="nearest-exact"),
+    lambda x: F.max_pool2d(x, 3, 2),
+    lambda x: F.pad(x, (2, 1, 1, 2), mode="reflect"),
+], ids=["nearest", "nearest-exact", "max_pool2d", "reflect"])
+def test_integer_paths_that_cpu_computes_match_it(fn, dtype):
+    x = _image(dtype, (2, 3, 9, 11))
+    try:
+        expected = fn(x)
+    except (NotImplementedError, RuntimeError):
+        pytest.skip(f"CPU has no kernel for {dtype}")
+    torch.testing.assert_close(fn(x.to(DEV)).cpu(), expected, rtol=0, atol=0)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..metrics import metrics
+from ..ops.registry import NotImplementedForDtype
 from ..ops.signature import (
     OPT_SCALAR,
     OPT_TENSOR,
@@ -186,6 +187,8 @@ class Kernel(OpSignature):
         start = time.perf_counter()
         try:
             results = jitted(*bufs, *runtime)
+        except NotImplementedForDtype:
+            raise   # PyTorch's own "not implemented for 'Int'", as its CPU kernel raises it
         except Exception as err:
             error = self.compile_error(values, err)
             if error is err:

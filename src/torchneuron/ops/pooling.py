@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from .nn import expand_param
-from .numerics import compute_dtype, lowest
+from .numerics import compute_dtype, lowest, require_floating
 from .registry import lowering
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -132,6 +132,8 @@ def _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, 
     padding = expand_param(padding, nd)
     batched = self.ndim == nd + 2
     x = self if batched else self[None]
+    if x.dtype == jnp.bool_:   # integer dtypes average as ATen's integer kernels do; bool has none
+        require_floating(f"avg_pool{nd}d", x)
     in_sizes = x.shape[2:]
     out_sizes, flat, valid = _flat_windows(in_sizes, kernel, stride, padding, (1,) * nd, ceil_mode)
     acc = compute_dtype(x.dtype)
@@ -194,6 +196,7 @@ def _adaptive_matrix(in_size, out_size, dtype):
 
 
 def _adaptive_avg(self, output_size, nd):
+    require_floating(f"adaptive_avg_pool{nd}d", self)   # the matrix would round to integer weights
     acc = compute_dtype(self.dtype)
     x = self.astype(acc)
     for d in range(nd):

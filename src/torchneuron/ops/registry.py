@@ -49,6 +49,12 @@ class Lowering:
     contiguity_of: str | None = None
 
 
+class NotImplementedForDtype(NotImplementedError):
+    """Raised by a lowering, while it is traced, for an input dtype PyTorch's CPU kernel has no
+    implementation for either ("upsample_bilinear2d" not implemented for 'Int'): the caller passes it
+    on as PyTorch's own error instead of computing something no CPU result can be checked against."""
+
+
 LOWERINGS: dict[str, Lowering] = {}
 
 

@@ -5,6 +5,10 @@ Interpolation is separable: for each spatial dim a static (out x in) weight matr
 host from ATen's index arithmetic (``UpSample.h``: source-index rules, bicubic A = -0.75, the
 antialiased filters), then applied with one contraction per dim. Backwards are the transposed
 contractions, obtained as JAX VJPs, so forward and gradient cannot disagree.
+
+uint8 images (bilinear/bicubic, with or without antialias) follow ATen's fixed-point path instead,
+bit for bit: int16 weights at a per-dim precision, one integer pass per resized dim (width first),
+each rounded and clamped to 0..255. Other integer dtypes have no CPU kernel and are refused.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .numerics import compute_dtype
+from .numerics import compute_dtype, require_floating
 from .registry import lowering
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -156,6 +160,103 @@ def _scales(scales, nd):
     return scales + [None] * (nd - len(scales))
 
 
+# -- uint8: ATen's fixed-point resampling (UpSampleKernel.cpp, after Pillow-SIMD) ---------------
+def _keys_filter(x, a):
+    x = abs(x)
+    if x < 1:
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+    if x < 2:
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return 0.0
+
+
+def _u8_taps(in_size, out_size, align_corners, scale, cubic, antialias):
+    """Per output index: (first input index, float weights), as ATen's _compute_index_ranges_weights
+    computes them in double for uint8 (plus the largest weight, which sets the precision)."""
+    interp = 4 if cubic else 2
+    if cubic:
+        a = -0.5 if antialias else -0.75     # Pillow's antialiased cubic, OpenCV's plain one
+        filt = lambda x: _keys_filter(x, a)  # noqa: E731
+    else:
+        filt = lambda x: max(0.0, 1.0 - abs(x))  # noqa: E731
+    s = _scale(in_size, out_size, align_corners, scale)
+    taps, wt_max = [], 0.0
+    if antialias:
+        support = interp * 0.5 * s if s >= 1.0 else interp * 0.5
+        width = int(math.ceil(support)) * 2 + 1
+        invscale = 1.0 / s if s >= 1.0 else 1.0
+        for i in range(out_size):
+            center = s * (i + 0.5)
+            xmin = max(int(center - support + 0.5), 0)
+            xsize = min(max(min(int(center + support + 0.5), in_size) - xmin, 0), width)
+            w = [filt((j + xmin - center + 0.5) * invscale) for j in range(xsize)]
+            total = sum(w)
+            if total != 0.0:
+                w = [v / total for v in w]
+                wt_max = max(wt_max, *w)
+            taps.append((xmin, w))
+        return taps, wt_max
+    support = interp // 2
+    for i in range(out_size):
+        if align_corners:
+            real = s * i
+        else:
+            real = s * (i + 0.5) - 0.5
+            real = real if cubic or real >= 0 else 0.0
+        index = min(int(np.floor(np.float32(real))), in_size - 1)   # floorf, as ATen
+        lam = min(max(real - index, 0.0), 1.0)
+        lo = index - support + 1
+        xmin = max(lo, 0)
+        xsize = min(max(min(index + support + 1, in_size) - xmin, 0), interp)
+        # Taps outside the input fold onto the edge samples.
+        w, k = [0.0] * interp, 0
+        for j in range(interp):
+            if lo + j <= 0:
+                k = 0
+            elif lo + j >= in_size - 1:
+                k = xsize - 1
+            w[k] += filt(j + 1 - support - lam)
+            wt_max = max(wt_max, w[k])
+            k += 1
+        taps.append((xmin, w[:xsize]))
+    return taps, wt_max
+
+
+def _u8_matrix(in_size, out_size, align_corners, scale, cubic, antialias):
+    """The int16 weights as an (out x in) int32 matrix, and their precision in bits."""
+    taps, wt_max = _u8_taps(in_size, out_size, align_corners, scale, cubic, antialias)
+    precision = 0
+    while precision < 22 and int(0.5 + wt_max * (1 << (precision + 1))) < (1 << 15):
+        precision += 1
+    m = np.zeros((out_size, in_size), np.int32)
+    for i, (xmin, w) in enumerate(taps):
+        for j, v in enumerate(w):
+            v *= 1 << precision
+            m[i, xmin + j] = int(v - 0.5) if v < 0 else int(v + 0.5)   # round half away from zero
+    return m, precision
+
+
+def _upsample_uint8(x, output_size, mode, align_corners, scales):
+    cubic, antialias = mode in ("cubic", "aa-cubic"), mode.startswith("aa-")
+    nd = len(output_size)
+    y = x
+    for d in reversed(range(nd)):           # the contiguous (width) dim first, as ATen
+        axis = x.ndim - nd + d
+        if y.shape[axis] == output_size[d]:
+            continue
+        m, precision = _u8_matrix(y.shape[axis], output_size[d], align_corners, scales[d], cubic, antialias)
+        acc = jnp.tensordot(y.astype(jnp.int32), jnp.asarray(m), axes=([axis], [1]),
+                            preferred_element_type=jnp.int32)
+        acc = jnp.moveaxis(acc, -1, axis) + (1 << (precision - 1))
+        y = jnp.clip(jnp.right_shift(acc, precision), 0, 255).astype(jnp.uint8)
+    return y
+
+
+_ATEN_NAMES = {("linear", 1): "upsample_linear1d", ("linear", 2): "upsample_bilinear2d",
+               ("linear", 3): "upsample_trilinear3d", ("cubic", 2): "upsample_bicubic2d",
+               ("aa-linear", 2): "_upsample_bilinear2d_aa", ("aa-cubic", 2): "_upsample_bicubic2d_aa"}
+
+
 def _upsample(x, output_size, mode, align_corners, scales):
     nd = len(output_size)
     in_sizes = x.shape[-nd:]
@@ -163,6 +264,10 @@ def _upsample(x, output_size, mode, align_corners, scales):
     if mode in ("nearest", "nearest-exact"):
         idx = [_nearest_index(i, o, s, mode == "nearest-exact") for i, o, s in zip(in_sizes, output_size, scales)]
         return _gather_nearest(x, idx)
+    # ATen resamples uint8 images in 2-d bilinear/bicubic only; nothing else integer.
+    if x.dtype == jnp.uint8 and nd == 2:
+        return _upsample_uint8(x, output_size, mode, align_corners, scales)
+    require_floating(_ATEN_NAMES[mode, nd], x)
     build = {"linear": _linear_matrix, "cubic": _cubic_matrix}.get(mode)
     if build is not None:
         mats = [build(i, o, align_corners, s) for i, o, s in zip(in_sizes, output_size, scales)]
@@ -349,6 +454,7 @@ def _grid_sample(input, grid, interpolation_mode, padding_mode, align_corners):
 
 @lowering("grid_sampler_2d.default", "grid_sampler_3d.default")
 def grid_sampler(input, grid, interpolation_mode, padding_mode, align_corners):
+    require_floating(f"grid_sampler_{input.ndim - 2}d", input)
     return _grid_sample(input, grid, interpolation_mode, padding_mode, align_corners)
 
 
@@ -386,6 +492,8 @@ def im2col(self, kernel_size, dilation, padding, stride):
 
 @lowering("col2im.default")
 def col2im(self, output_size, kernel_size, dilation, padding, stride):
+    if self.dtype == jnp.bool_:   # overlapping blocks add up: no bool sum (none on CPU either)
+        require_floating("col2im", self)
     batched = self.ndim == 3
     x = self if batched else self[None]
     n = x.shape[0]
