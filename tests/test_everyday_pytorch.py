@@ -181,3 +181,32 @@ def test_integer_paths_that_cpu_computes_match_it(fn, dtype):
     except (NotImplementedError, RuntimeError):
         pytest.skip(f"CPU has no kernel for {dtype}")
     torch.testing.assert_close(fn(x.to(DEV)).cpu(), expected, rtol=0, atol=0)
+
+
+# -- factory calls inside compiled graphs ---------------------------------------------------------
+COMPILED_FACTORIES = {
+    "tensor": lambda x: x * torch.tensor([1.0, 2.0], device=x.device),
+    "tensor-int": lambda x: x + torch.tensor([3, 4], device=x.device),
+    "tensor-0d": lambda x: x * torch.tensor(2.5, device=x.device),
+    "tensor-empty": lambda x: torch.cat([x.flatten(), torch.tensor([], device=x.device)]),
+    "tensor-bool": lambda x: x.masked_fill(torch.tensor([True, False], device=x.device), 0.0),
+    "new_tensor": lambda x: x + x.new_tensor([1.0, 2.0]),
+    "arange": lambda x: x + torch.arange(0.5, 2.0, 0.75, device=x.device),
+    "full": lambda x: x + torch.full((3, 2), 7, device=x.device),
+    "zeros": lambda x: x + torch.zeros(3, 2, device=x.device),
+}
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("name", sorted(COMPILED_FACTORIES))
+def test_factories_inside_compiled_graphs_match_cpu(name, requires_grad):
+    fn = COMPILED_FACTORIES[name]
+    x = torch.randn(3, 2)
+    expected = fn(x)
+    xn = x.to(DEV).requires_grad_(requires_grad)
+    got = torch.compile(fn, backend="neuron")(xn)
+    if requires_grad:
+        got.sum().backward()
+        assert xn.grad is not None
+    assert got.dtype == expected.dtype
+    torch.testing.assert_close(got.detach().cpu(), expected)

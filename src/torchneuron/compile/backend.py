@@ -14,6 +14,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..config import config
 from ..metrics import metrics
@@ -72,8 +73,12 @@ def _compile_aot(gm, example_inputs, opts: CompileOptions):
 
     def compiler(kind):
         def compile_graph(aten_gm, aten_inputs):
-            return GraphProgram(aten_gm, kind, fallback=opts.fallback, name=f"g{graph_id}_{kind}",
-                                dump_dir=opts.dump_dir)
+            # AOTAutograd calls compilers with its FakeTensorMode active. Constants the graph holds
+            # as real tensors (torch.tensor([...], device=...) in the compiled code, transformers'
+            # DynamicCache) are read to the host while planning: that must run on real tensors.
+            with unset_fake_temporarily():
+                return GraphProgram(aten_gm, kind, fallback=opts.fallback, name=f"g{graph_id}_{kind}",
+                                    dump_dir=opts.dump_dir)
         return compile_graph
 
     backend = aot_autograd(
