@@ -210,3 +210,33 @@ def test_factories_inside_compiled_graphs_match_cpu(name, requires_grad):
         assert xn.grad is not None
     assert got.dtype == expected.dtype
     torch.testing.assert_close(got.detach().cpu(), expected)
+
+
+# -- pinned host memory with neuron as the accelerator ---------------------------------------------
+def test_pin_memory_gives_a_pinned_host_copy():
+    t = torch.arange(6.0).reshape(2, 3).t()
+    p = t.pin_memory()
+    assert p.device.type == "cpu" and p.is_pinned() and p[0].is_pinned() and not t.is_pinned()
+    assert p.stride() == t.stride() and p.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    assert torch.equal(p, t) and p.pin_memory() is p
+    torch.testing.assert_close(p.to(DEV, non_blocking=True).cpu(), t)
+    w = torch.ones(3, requires_grad=True)
+    w.pin_memory().sum().backward()
+    assert torch.equal(w.grad, torch.ones(3))
+
+
+def test_save_on_cpu_with_pinning_offloads_activations_for_neuron():
+    # transformers' gradient_checkpointing_enable(offload=True) path.
+    from torch.autograd.graph import save_on_cpu
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    model(x).square().sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.to(DEV)
+    with save_on_cpu(pin_memory=True, device_type="neuron"):
+        loss = model(x.to(DEV)).square().sum()
+    loss.backward()
+    for p, e in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad.cpu(), e)

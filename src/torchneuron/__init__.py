@@ -29,7 +29,7 @@ def register() -> None:
     from . import distributed, integrations, profiler
     from .config import observe
     from .eager import adaptive, registration
-    from .runtime import autocast, modules, printing, rng, serialization
+    from .runtime import autocast, modules, pinned, printing, rng, serialization
     from .runtime import device as device_module
 
     class _Hooks(torch._C._acc.PrivateUse1Hooks):
@@ -59,6 +59,7 @@ def register() -> None:
     distributed.register()
     device_module.install_storage_resize()   # FSDP2 frees parameters with storage.resize_(0)
     serialization.install()
+    pinned.install()           # Tensor.pin_memory() with neuron as the accelerator
     profiler.install_hooks()   # neuron ranges in torch.profiler traces
     integrations.install()     # transformers/accelerate device probes, DataLoader pinning
     _registered = True
