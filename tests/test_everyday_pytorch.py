@@ -240,3 +240,59 @@ def test_save_on_cpu_with_pinning_offloads_activations_for_neuron():
     loss.backward()
     for p, e in zip(model.parameters(), expected):
         torch.testing.assert_close(p.grad.cpu(), e)
+
+
+# -- GradScaler's fused ops run on the device ------------------------------------------------------
+def _scaler_run(device, inject, steps=6):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 8, growth_interval=2)
+    data = torch.randn(steps, 5, 8)
+    scales, losses = [], []
+    for i in range(steps):
+        opt.zero_grad()
+        loss = model(data[i].to(device)).square().mean()
+        scaler.scale(loss).backward()
+        if i in inject:
+            model[0].weight.grad[0, 0] = inject[i]
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        losses.append(loss.item())
+    return scales, losses, [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.usefixtures("strict_fallback")
+@pytest.mark.filterwarnings("ignore:torchneuron.*float64")   # GradScaler's inv_scale round trip
+@pytest.mark.parametrize("inject", [{}, {2: float("inf")}, {1: float("nan"), 4: float("-inf")}])
+def test_grad_scaler_skips_and_rescales_like_cpu_without_fallbacks(inject):
+    cpu_scales, cpu_losses, cpu_params = _scaler_run("cpu", inject)
+    scales, losses, params = _scaler_run(DEV, inject)
+    assert scales == cpu_scales
+    torch.testing.assert_close(losses, cpu_losses)
+    for p, c in zip(params, cpu_params):
+        torch.testing.assert_close(p, c)
+
+
+@pytest.mark.usefixtures("strict_fallback")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_amp_unscale_and_update_scale_ops_match_cpu(dtype):
+    grads = [torch.randn(5, 3).to(dtype) * 1000, torch.randn(7).to(dtype)]
+    grads[1][3] = float("nan") if dtype != torch.float32 else float("inf")
+    results = {}
+    for device in ("cpu", DEV):
+        gs = [g.clone().to(device) for g in grads]
+        found = torch.zeros(1, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(gs, found, torch.full((1,), 1 / 1024, device=device))
+        scale, tracker = torch.full((1,), 65536.0, device=device), torch.ones(1, dtype=torch.int32, device=device)
+        torch._amp_update_scale_(scale, tracker, torch.zeros(1, device=device), 3.0, 0.5, 2)
+        grown = (scale.cpu().clone(), tracker.cpu().clone())
+        torch._amp_update_scale_(scale, tracker, found, 3.0, 0.5, 2)
+        huge = torch.full((1,), 3e38, device=device)   # growing it would overflow: kept as it is
+        torch._amp_update_scale_(huge, torch.ones(1, dtype=torch.int32, device=device),
+                                 torch.zeros(1, device=device), 3.0, 0.5, 2)
+        results[device] = ([g.cpu() for g in gs], found.cpu(), grown, scale.cpu(), tracker.cpu(), huge.cpu())
+    cpu, neuron = results["cpu"], results[DEV]
+    torch.testing.assert_close(neuron, cpu, equal_nan=True)
+    assert cpu[1].item() == 1.0

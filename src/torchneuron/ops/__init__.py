@@ -5,6 +5,7 @@ shared by eager kernels and torch.compile graphs.
 """
 
 from . import (  # noqa: F401  (each module registers its lowerings)
+    amp,
     elementwise,
     factories,
     foreach,
