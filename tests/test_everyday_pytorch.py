@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import torchneuron  # noqa: F401
+import torchneuron
 
 DEV = "neuron"
 
@@ -296,3 +296,25 @@ def test_amp_unscale_and_update_scale_ops_match_cpu(dtype):
     cpu, neuron = results["cpu"], results[DEV]
     torch.testing.assert_close(neuron, cpu, equal_nan=True)
     assert cpu[1].item() == 1.0
+
+
+# -- nn.TransformerEncoder's inference fast path runs on the device ---------------------------------
+@pytest.mark.usefixtures("strict_fallback")
+@pytest.mark.parametrize("norm_first,activation", [(False, "relu"), (True, "gelu")])
+def test_transformer_encoder_fast_path_matches_cpu_without_fallbacks(norm_first, activation):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, batch_first=True, norm_first=norm_first,
+                                       activation=activation)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 5, 16)
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    causal = nn.Transformer.generate_square_subsequent_mask(5)
+    masks = [{}, {"src_key_padding_mask": padding}, {"mask": causal},
+             {"mask": causal, "src_key_padding_mask": padding}]
+    with torch.no_grad():
+        expected = [encoder(x, **m) for m in masks]
+        encoder.to(DEV)
+        got = [encoder(x.to(DEV), **{k: v.to(DEV) for k, v in m.items()}) for m in masks]
+    assert torchneuron.metrics.op_calls["_transformer_encoder_layer_fwd"] == 2 * len(masks)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g.cpu(), e, rtol=1e-5, atol=1e-5)

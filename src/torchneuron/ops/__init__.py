@@ -21,5 +21,6 @@ from . import (  # noqa: F401  (each module registers its lowerings)
     shape,
     special,
     spectral,
+    transformer,
     views,
 )
