@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	# The CPU wheel of torch first, pinned, so nothing can pull a CUDA build.
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q "jax[cpu]==0.10.2"
-	$(PY) -m pip install -q -e ".[test,hf]"
+	$(PY) -m pip install -q -e ".[test,hf,ecosystem]"
 	touch $(STAMP)
 
 demo: $(STAMP)
