@@ -81,8 +81,10 @@ class NeuronGenerator(_CGenerator):
 
     Its state is a (seed, offset) pair like the device's default generator; ``get_state`` gives the
     16-byte state ``torch.neuron.get_rng_state`` uses. The C object underneath is a CPU generator
-    seeded alongside (a Python backend cannot create a generator of its own device type), so a CPU
-    op given this generator draws from that CPU stream instead of raising as CUDA would.
+    (a Python backend cannot create a generator of its own device type) that ``manual_seed`` seeds
+    too: host-side draws with it -- Diffusers' ``randn_tensor`` draws on the host for neuron devices
+    -- give the numbers ``torch.Generator().manual_seed(seed)`` would, where CUDA would refuse a
+    device generator on a CPU op.
     """
 
     def __new__(cls, device="neuron", _state: DeviceGenerator | None = None):
