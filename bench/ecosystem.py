@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 import warnings
 
@@ -23,6 +24,10 @@ import torch  # noqa: E402
 
 import torchneuron  # noqa: E402
 
+# The tiny models and data of tests/test_ecosystem.py, so the table and the tests measure the same.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from test_ecosystem import batch, sentences, tiny_dit, tiny_llama, tiny_unet, word_tokenizer  # noqa: E402
+
 WARMUP = 3
 
 
@@ -31,25 +36,8 @@ def sync(device):
         torch.neuron.synchronize()
 
 
-def tiny_llama(seed=0):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(LlamaConfig(
-        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2))
-
-
 def ids(seed=0, size=2, length=10):
-    return torch.randint(3, 32, (size, length), generator=torch.Generator().manual_seed(seed))
-
-
-def unet():
-    from diffusers import UNet2DConditionModel
-    torch.manual_seed(0)
-    return UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
-                                block_out_channels=(16, 16), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
-                                attention_head_dim=8, norm_num_groups=8)
+    return batch(seed, size, length)[0]
 
 
 # -- workloads: setup(device) -> step() returning the tensor to compare ------------------------------
@@ -82,24 +70,19 @@ def unet_fwd_bwd(device):
     g = torch.Generator().manual_seed(1)
     inputs = {"sample": torch.randn(2, 4, 8, 8, generator=g), "timestep": torch.tensor([10, 500]),
               "encoder_hidden_states": torch.randn(2, 5, 16, generator=g)}
-    return _fwd_bwd(unet().to(device), {k: v.to(device) for k, v in inputs.items()})
+    return _fwd_bwd(tiny_unet().to(device), {k: v.to(device) for k, v in inputs.items()})
 
 
 def dit_fwd_bwd(device):
-    from diffusers import DiTTransformer2DModel
-    torch.manual_seed(0)
-    model = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8,
-                                  num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=10,
-                                  norm_num_groups=32).eval()
     g = torch.Generator().manual_seed(1)
     inputs = {"hidden_states": torch.randn(2, 4, 8, 8, generator=g), "timestep": torch.tensor([3, 7]),
               "class_labels": torch.tensor([1, 4])}
-    return _fwd_bwd(model.to(device), {k: v.to(device) for k, v in inputs.items()})
+    return _fwd_bwd(tiny_dit().eval().to(device), {k: v.to(device) for k, v in inputs.items()})
 
 
 def ddpm_step(device):
     from diffusers import DDPMScheduler
-    model = unet().to(device)
+    model = tiny_unet().to(device)
     scheduler = DDPMScheduler(num_train_timesteps=1000)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(2)
@@ -121,7 +104,7 @@ def ddpm_step(device):
 def ddim_loop(device):
     from diffusers import DDIMScheduler
     from diffusers.utils.torch_utils import randn_tensor
-    model = unet().eval().to(device)
+    model = tiny_unet().eval().to(device)
     cond = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3)).to(device)
     # Latents from a neuron generator on both sides (copied to CPU for the CPU run).
     latents = randn_tensor((2, 4, 8, 8), generator=torch.Generator("neuron").manual_seed(0),
@@ -269,17 +252,10 @@ def measure(name, steps):
 def trl_sft(steps):
     """SFTTrainer: losses of the first steps compared, time per step after them."""
     from datasets import Dataset
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, TrainerCallback
+    from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
-    words = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "log", "red", "big", "quietly", "home"]
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(words)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>")
-    g = torch.Generator().manual_seed(5)
-    text = [" ".join(words[i] for i in torch.randint(0, len(words), (8,), generator=g).tolist()) for _ in range(64)]
+    tokenizer = word_tokenizer()
+    text = sentences(64)
 
     class Clock(TrainerCallback):
         def __init__(self):

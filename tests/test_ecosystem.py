@@ -95,7 +95,7 @@ def test_peft_lora_training_merge_and_adapter_reload_match_cpu(tmp_path):
 
 
 # -- TRL -------------------------------------------------------------------------------------------
-def _tokenizer():
+def word_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(WORDS)}}
@@ -105,8 +105,8 @@ def _tokenizer():
                                    unk_token="<unk>")
 
 
-def _sentences(n=16):
-    g = torch.Generator().manual_seed(5)
+def sentences(n=16, seed=5):
+    g = torch.Generator().manual_seed(seed)
     return [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (int(torch.randint(4, 12, (1,), generator=g)),),
                                                      generator=g).tolist()) for _ in range(n)]
 
@@ -117,8 +117,8 @@ def _sft_losses(tmp_path, use_cpu):
     args = SFTConfig(output_dir=str(tmp_path / ("cpu" if use_cpu else "neuron")), use_cpu=use_cpu, max_steps=4,
                      per_device_train_batch_size=4, learning_rate=5e-3, logging_steps=1, report_to=[],
                      save_strategy="no", seed=0, disable_tqdm=True, max_length=32, bf16=False, fp16=False)
-    trainer = SFTTrainer(model=tiny_llama(3), args=args, processing_class=_tokenizer(),
-                         train_dataset=Dataset.from_dict({"text": _sentences()}))
+    trainer = SFTTrainer(model=tiny_llama(3), args=args, processing_class=word_tokenizer(),
+                         train_dataset=Dataset.from_dict({"text": sentences()}))
     torchneuron.metrics.reset()
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], args
@@ -138,7 +138,7 @@ def test_trl_sft_trainer_loss_curve_matches_cpu(tmp_path):
 
 
 # -- Diffusers -------------------------------------------------------------------------------------
-def _unet():
+def tiny_unet():
     from diffusers import UNet2DConditionModel
     torch.manual_seed(0)
     return UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
@@ -147,7 +147,7 @@ def _unet():
                                 attention_head_dim=8, norm_num_groups=8)
 
 
-def _dit():
+def tiny_dit():
     from diffusers import DiTTransformer2DModel
     torch.manual_seed(0)
     return DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8,
@@ -169,11 +169,11 @@ def test_diffusers_forward_and_backward_match_cpu(kind):
     pytest.importorskip("diffusers")
     g = torch.Generator().manual_seed(1)
     if kind == "dit":
-        model = _dit()
+        model = tiny_dit()
         inputs = {"hidden_states": torch.randn(2, 4, 8, 8, generator=g), "timestep": torch.tensor([3, 7]),
                   "class_labels": torch.tensor([1, 4])}
     else:
-        model = _unet()
+        model = tiny_unet()
         inputs = {"sample": torch.randn(2, 4, 8, 8, generator=g), "timestep": torch.tensor([10, 500]),
                   "encoder_hidden_states": torch.randn(2, 5, 16, generator=g)}
     want, want_grads = _forward_backward(model, "cpu", inputs)
@@ -186,7 +186,7 @@ def test_diffusers_forward_and_backward_match_cpu(kind):
 
 def _ddpm_step(device):
     from diffusers import DDPMScheduler
-    model = _unet().to(device)
+    model = tiny_unet().to(device)
     scheduler = DDPMScheduler(num_train_timesteps=1000)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)   # Adam would turn rounding noise in ~0 gradients into lr-sized steps
     g = torch.Generator().manual_seed(2)
@@ -224,7 +224,7 @@ def _ddim_loop(model, device, latents, cond, eta, generator=None, steps=3):
 def test_diffusers_ddim_sampling_with_a_neuron_generator():
     pytest.importorskip("diffusers")
     from diffusers.utils.torch_utils import randn_tensor
-    model = _unet().eval()
+    model = tiny_unet().eval()
     neuron_model = copy.deepcopy(model).to(DEV)
     cond = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3))
     # The Diffusers idiom, pipe(..., generator=torch.Generator(device).manual_seed(0)). For neuron
