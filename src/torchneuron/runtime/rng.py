@@ -196,7 +196,7 @@ Generator.__qualname__ = Generator.__name__ = "Generator"
 
 def default_generators() -> tuple:
     """``torch.neuron.default_generators``: one per device, sharing the device generators' state."""
-    from . import device as device_module
+    from . import device as device_module  # device.py imports this module
     return tuple(NeuronGenerator(f"neuron:{i}", generator(i)) for i in range(max(device_module.device_count(), 1)))
 
 
