@@ -10,8 +10,13 @@ Two measurements go into ``docs/coverage.md``:
    decomposed / CPU fallback / failing, and totals against the targets.
 
 The sweep appends one JSON line per sample to ``--results`` (default
-``build/coverage/results.jsonl``) so it can be resumed (``--resume``), split over processes
-(``--jobs``), or re-rendered without running anything (``--render-only``).
+``build/coverage/results.jsonl``) so it can be resumed (``--resume``), split over worker processes
+(``--jobs``; a worker that crashes is replaced and the entry it was on recorded as failing), or
+re-rendered without running anything (``--render-only``); see ``tools/sweep.py``.
+
+The sweep runs the OpInfo harness of a torchneuron source checkout (``tests/opinfo``, with the test
+extras: ``pip install -e ".[test]"``); from an installed package, point ``--tests-dir`` at a
+checkout's ``tests`` directory. Results and report then default to the current directory.
 """
 
 from __future__ import annotations
@@ -21,30 +26,47 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import torchneuron
+import jax
+import torch
+from torch._decomp import decomposition_table
 
-REPO = Path(__file__).resolve().parents[3]
-DEFAULT_RESULTS = REPO / "build" / "coverage" / "results.jsonl"
-DEFAULT_OUTPUT = REPO / "docs" / "coverage.md"
+import torchneuron
+from torchneuron.ops import registry
+from torchneuron.ops.signature import registry_name
+
+from . import sweep as resumable
+
+DEFAULT_RESULTS = resumable.default_path("build/coverage/results.jsonl", "coverage/results.jsonl")
+DEFAULT_OUTPUT = resumable.default_path("docs/coverage.md", "coverage.md")
+_CHECKOUT = resumable.source_checkout()
+DEFAULT_TESTS = _CHECKOUT / "tests" if _CHECKOUT is not None else None
 STATUSES = ("native", "fallback", "expected", "fail")
 
 
 # -- the OpInfo sweep -------------------------------------------------------------------------------
-def _harness(tests_dir: Path):
+def _harness(tests_dir: Path | None):
+    if tests_dir is None or not (Path(tests_dir) / "opinfo" / "harness.py").exists():
+        raise SystemExit(
+            "coverage: the OpInfo sweep runs the harness in tests/opinfo of a torchneuron source checkout, "
+            f"and {'this is an installed package' if tests_dir is None else f'{tests_dir}/opinfo has none'}: "
+            "pass --tests-dir <checkout>/tests (or use --render-only to re-render existing --results)")
     sys.path.insert(0, str(tests_dir))
-    from opinfo import harness  # lives with the tests, imported on demand
+    try:
+        from opinfo import harness  # lives with the tests (see the module docstring)
+    except ImportError as err:
+        raise SystemExit(f"coverage: the OpInfo harness needs the test extras ({err}): "
+                         "pip install -e \".[test]\" in the checkout") from err
     return harness
 
 
 def _enable_jax_cache():
     """Re-sweeps reuse compiled executables through JAX's persistent cache."""
-    import jax
     path = os.environ.get("TORCHNEURON_COVERAGE_JAX_CACHE",
                           str(Path.home() / ".cache" / "torchneuron" / "opinfo-jax"))
     if path:
@@ -54,7 +76,6 @@ def _enable_jax_cache():
 
 
 def _tasks(harness, ops, checks, dtypes):
-    import torch
     tasks = []
     for name, op in harness.OPS.items():
         if ops and not any(p == name or (p.endswith("*") and name.startswith(p[:-1])) for p in ops):
@@ -68,99 +89,102 @@ def _tasks(harness, ops, checks, dtypes):
     return tasks
 
 
-def _done(path: Path) -> set:
-    done = set()
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if r.get("index") == "done":
-                done.add((r["op"], r["dtype"], r["check"]))
-    return done
+def _results(path: Path) -> resumable.ResultsFile:
+    """Per-sample rows, then one "done" row per (entry, dtype, check): the task it completes."""
+    return resumable.ResultsFile(path, lambda r: (r["op"], r["dtype"], r["check"]) if r.get("index") == "done" else None)
 
 
-def sweep(args) -> None:
-    harness = _harness(Path(args.tests_dir))
+def _task_key(task) -> tuple:
+    name, dtype, check = task
+    return name, str(dtype).replace("torch.", ""), check
+
+
+def sweep(args, tasks=None) -> None:
+    """Run ``tasks`` (default: those the arguments select) in this process."""
+    harness = _harness(args.tests_dir)
     if not args.no_jax_cache:
         _enable_jax_cache()
     torchneuron.config.fallback = "silent"
-    tasks = _tasks(harness, args.ops, args.checks, args.dtypes)
-    if args.shard:
-        i, n = (int(x) for x in args.shard.split("/"))
-        tasks = tasks[i::n]
-    results = Path(args.results)
-    results.parent.mkdir(parents=True, exist_ok=True)
-    done = _done(results) if args.resume else set()
-    if not args.resume and not args.shard and results.exists():
-        results.unlink()
-    with results.open("a") as f:
-        for name, dtype, check in tasks:
-            dname = str(dtype).replace("torch.", "")
-            if (name, dname, check) in done:
-                continue
-            start = time.perf_counter()
-            counts = Counter()
-            try:
-                for r in harness.run(harness.OPS[name], dtype, check, limit=args.limit):
-                    f.write(json.dumps(r.as_dict()) + "\n")
-                    counts[r.status] += 1
-            finally:
-                harness.clear_caches()
-            f.write(json.dumps({"op": name, "dtype": dname, "check": check, "index": "done",
-                                "available": harness.sample_counts.get((name, dname, check)),
-                                "command": args.command,
-                                "seconds": round(time.perf_counter() - start, 2)}) + "\n")
-            f.flush()
-            if not args.quiet:
-                print(f"{name:55s} {dname:9s} {check:7s} {dict(counts)} "
-                      f"{time.perf_counter() - start:.1f}s", flush=True)
+    if tasks is None:
+        tasks = _tasks(harness, args.ops, args.checks, args.dtypes)
+    results = _results(Path(args.results))
+    done = results.done() if args.resume else {}
+    if not args.resume and not args.worker:
+        results.clear()
+    for name, dtype, check in tasks:
+        dname = str(dtype).replace("torch.", "")
+        if (name, dname, check) in done:
+            continue
+        start = time.perf_counter()
+        counts = Counter()
+        try:
+            for r in harness.run(harness.OPS[name], dtype, check, limit=args.limit):
+                results.append(r.as_dict())
+                counts[r.status] += 1
+        finally:
+            harness.clear_caches()
+        results.append({"op": name, "dtype": dname, "check": check, "index": "done",
+                        "available": harness.sample_counts.get((name, dname, check)),
+                        "command": args.command, "seconds": round(time.perf_counter() - start, 2)})
+        if not args.quiet:
+            print(f"{name:55s} {dname:9s} {check:7s} {dict(counts)} "
+                  f"{time.perf_counter() - start:.1f}s", flush=True)
 
 
 def sweep_parallel(args) -> None:
-    """``--jobs N``: N worker processes, each sweeping a shard into its own results file."""
-    results = Path(args.results)
-    results.parent.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for i in range(args.jobs):
-        cmd = [sys.executable, "-m", "torchneuron.tools.coverage", "--sweep-only", "--shard",
-               f"{i}/{args.jobs}", "--results", f"{results}.{i}", "--tests-dir", str(args.tests_dir),
-               "--checks", *args.checks]
-        if args.ops:
-            cmd += ["--ops", *args.ops]
-        if args.dtypes:
-            cmd += ["--dtypes", *args.dtypes]
+    """``--jobs N``: N worker processes share the tasks; a worker that dies is replaced and the
+    entry it was on is recorded as a failing sample."""
+    harness = _harness(args.tests_dir)
+    results = _results(Path(args.results))
+    if not args.resume:
+        results.clear()
+    tasks = [_task_key(t) for t in _tasks(harness, args.ops, args.checks, args.dtypes)]
+    folder = Path(args.results).parent
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def command(todo):
+        fd, tasks_file = tempfile.mkstemp(prefix="coverage-tasks-", suffix=".json", dir=folder)
+        with os.fdopen(fd, "w") as f:
+            json.dump(todo, f)
+        cmd = [sys.executable, "-m", "torchneuron.tools.coverage", "--worker", tasks_file, "--resume",
+               "--results", str(args.results), "--tests-dir", str(args.tests_dir)]
         if args.limit is not None:
             cmd += ["--limit", str(args.limit)]
-        if args.resume:
-            cmd.append("--resume")
-        elif Path(f"{results}.{i}").exists():
-            Path(f"{results}.{i}").unlink()
+        if args.no_jax_cache:
+            cmd.append("--no-jax-cache")
         if args.quiet:
             cmd.append("--quiet")
-        procs.append(subprocess.Popen(cmd, env={**os.environ, _COMMAND_ENV: args.command}))
-    codes = [p.wait() for p in procs]
-    if any(codes):
-        raise SystemExit(f"coverage: a sweep worker failed: exit codes {codes}")
+        return cmd
+
+    def crashed(task, code):
+        name, dname, check = task
+        results.append({"op": name, "dtype": dname, "check": check, "index": -1, "status": "fail", "desc": "",
+                        "detail": f"the sweep's worker process died (exit code {code}) running this entry",
+                        "fallbacks": [], "decomposed": []})
+        results.append({"op": name, "dtype": dname, "check": check, "index": "done", "available": None,
+                        "command": args.command, "seconds": 0})
+
+    resumable.run_in_workers(tasks, args.jobs, results, command, crashed,
+                             env={**os.environ, _COMMAND_ENV: args.command})
+    for leftover in folder.glob("coverage-tasks-*.json"):
+        leftover.unlink(missing_ok=True)
+
+
+def _worker_tasks(tasks_file: str) -> list:
+    with open(tasks_file) as f:
+        tasks = json.load(f)
+    os.unlink(tasks_file)
+    return [(name, getattr(torch, dname), check) for name, dname, check in tasks]
 
 
 def load_results(path: Path) -> list[dict]:
     rows = {}
-    files = [path] + sorted(path.parent.glob(path.name + ".*"))
-    for p in files:
-        if not p.exists():
+    for r in _results(path).rows():
+        if r.get("index") == "done":
+            available[(r["op"], r["dtype"], r["check"])] = r.get("available")
+            commands[(r["op"], r["dtype"], r["check"])] = r.get("command") or "not recorded"
             continue
-        for line in p.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if r.get("index") == "done":
-                available[(r["op"], r["dtype"], r["check"])] = r.get("available")
-                commands[(r["op"], r["dtype"], r["check"])] = r.get("command") or "not recorded"
-                continue
-            rows[(r["op"], r["dtype"], r["check"], r["index"])] = r
+        rows[(r["op"], r["dtype"], r["check"], r["index"])] = r
     return list(rows.values())
 
 
@@ -173,13 +197,6 @@ _COMMAND_ENV = "TORCHNEURON_COVERAGE_COMMAND"   # a --jobs worker records its pa
 
 # -- Core ATen IR, statically -----------------------------------------------------------------------
 def core_aten() -> list[dict]:
-    import torch
-    from torch._decomp import decomposition_table
-
-    import torchneuron  # noqa: F401  (registers the kernels)
-    from torchneuron.ops import registry
-    from torchneuron.ops.signature import registry_name
-
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     rows = []
     for packet_name in dir(torch.ops.aten):
@@ -207,7 +224,6 @@ def core_aten() -> list[dict]:
 
 
 def _backend_independent(name: str) -> bool:
-    import torch
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     return (has(name, "CompositeExplicitAutograd") or has(name, "CompositeExplicitAutogradNonFunctional")
             or has(name, "CompositeImplicitAutograd"))
@@ -254,8 +270,6 @@ def op_status(counts: Counter, decomposed) -> str:
 
 
 def _versions() -> str:
-    import jax
-    import torch
     return (f"torch {torch.__version__}, jax {jax.__version__}, torchneuron {torchneuron.__version__}, "
             f"Python {platform.python_version()}, PJRT platform {torchneuron.config.platform}")
 
@@ -384,26 +398,27 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="*", default=[], help="e.g. float32 bfloat16 (default: all the harness runs)")
     p.add_argument("--limit", type=int, default=None, help="samples per entry/dtype/check (default: all)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
-    p.add_argument("--shard", default="", help=argparse.SUPPRESS)
+    p.add_argument("--worker", default="", help=argparse.SUPPRESS)   # a --jobs worker: its tasks file
     p.add_argument("--results", default=str(DEFAULT_RESULTS))
     p.add_argument("--output", default=str(DEFAULT_OUTPUT))
-    p.add_argument("--tests-dir", default=str(REPO / "tests"))
+    p.add_argument("--tests-dir", type=Path, default=DEFAULT_TESTS,
+                   help="a torchneuron source checkout's tests directory (default: this checkout's)")
     p.add_argument("--resume", action="store_true", help="skip entries already in --results")
     p.add_argument("--render-only", action="store_true", help="write the report from --results, run nothing")
-    p.add_argument("--sweep-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-jax-cache", action="store_true", help="do not use JAX's persistent compilation cache")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     args.command = os.environ.get(_COMMAND_ENV) or (
         "python -m torchneuron.tools.coverage " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
 
+    if args.worker:
+        sweep(args, _worker_tasks(args.worker))
+        return 0
     if not args.render_only:
-        if args.jobs > 1 and not args.shard:
+        if args.jobs > 1:
             sweep_parallel(args)
         else:
             sweep(args)
-    if args.sweep_only:
-        return 0
     rows = load_results(Path(args.results))
     text = render(rows, core_aten())
     out = Path(args.output)

@@ -1,0 +1,86 @@
+"""The resumable sweep both coverage tools run on (``torchneuron.tools.sweep``): results it resumes
+from, and worker processes that are replaced when they die."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from torchneuron.tools import sweep
+
+# A worker: appends {"task": t} for each task on its command line, and dies on "boom" unless the
+# results file already records it.
+_WORKER = """
+import json, sys
+path, tasks = sys.argv[1], sys.argv[2:]
+for t in tasks:
+    if t == "boom":
+        sys.exit(3)
+    with open(path, "a") as f:
+        f.write(json.dumps({"task": t}) + "\\n")
+"""
+
+
+def _results(tmp_path):
+    return sweep.ResultsFile(tmp_path / "r.jsonl", lambda row: row.get("task"))
+
+
+def test_results_file_resumes_from_what_it_holds(tmp_path):
+    results = _results(tmp_path)
+    results.append({"task": "a", "n": 1})
+    results.append({"sample": 0})                      # a row that completes no task
+    results.append({"task": "b"})
+    results.append({"task": "a", "n": 2})              # the last row of a task counts
+    with open(results.path, "a") as f:
+        f.write('{"task": "c", "cut by a cra')          # a line cut short by a crash
+    assert set(results.done()) == {"a", "b"} and results.done()["a"]["n"] == 2
+    results.drop(["a"])
+    assert set(results.done()) == {"b"} and {"sample": 0} in results.rows()
+    results.clear()
+    assert results.rows() == []
+
+
+def test_a_dead_worker_is_replaced_and_its_task_recorded(tmp_path):
+    results = _results(tmp_path)
+    results.append({"task": "a"})                      # done before: not run again
+    commands, crashes = [], []
+
+    def command(todo):
+        commands.append(list(todo))
+        return [sys.executable, "-c", _WORKER, str(results.path), *todo]
+
+    def crashed(task, code):
+        crashes.append((task, code))
+        results.append({"task": task, "status": "fail"})
+
+    sweep.run_in_workers(["a", "b", "boom", "c", "d"], 1, results, command, crashed)
+    assert crashes == [("boom", 3)]
+    assert commands == [["b", "boom", "c", "d"], ["c", "d"]]
+    assert [r["task"] for r in results.rows()] == ["a", "b", "boom", "c", "d"]
+
+
+def test_tasks_are_shared_between_workers(tmp_path):
+    results = _results(tmp_path)
+    shares = []
+
+    def command(todo):
+        shares.append(list(todo))
+        return [sys.executable, "-c", _WORKER, str(results.path), *todo]
+
+    sweep.run_in_workers(list("abcde"), 2, results, command, lambda t, c: None)
+    assert sorted(shares) == [["a", "c", "e"], ["b", "d"]]
+    assert set(results.done()) == set("abcde")
+
+
+def test_a_worker_that_exits_without_its_results_is_an_error(tmp_path):
+    results = _results(tmp_path)
+    with pytest.raises(RuntimeError, match="exited normally without a result for 'a'"):
+        sweep.run_worker(["a"], results, lambda todo: [sys.executable, "-c", "pass"], lambda t, c: None)
+
+
+def test_run_info_records_the_run_and_the_date():
+    info = sweep.run_info({"command": "cmd"})
+    assert info["command"] == "cmd" and info["date"].endswith("+00:00")
+    json.dumps(info)
