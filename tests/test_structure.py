@@ -154,7 +154,7 @@ def test_graph_cache_fingerprint_covers_every_source_file():
 
 def test_lowering_is_built_by_keyword():
     with pytest.raises(TypeError):
-        Lowering("add.Tensor", lambda a, b: a + b)   # noqa: the point: positional fields are refused
+        Lowering("add.Tensor", lambda a, b: a + b)   # positional fields are refused
 
 
 def test_lowering_of_composite_implicit_op_is_refused_unless_graph_only():
