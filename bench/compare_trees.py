@@ -2,7 +2,8 @@
 
 Alternates ``bench/eager_overhead.py`` between the trees (each process imports torchneuron from
 its tree's ``src`` through ``PYTHONPATH``), so load on a shared machine falls on both alike, and
-prints each op's median neuron time per tree and their ratio:
+prints each op's fastest neuron time per tree (the fastest repeat of any round: the one least
+disturbed by other load) and their ratio:
 
     .venv/bin/python bench/compare_trees.py /path/to/old/checkout . [--rounds 5] [--calls 1000]
 """
@@ -21,7 +22,8 @@ BENCH = Path(__file__).resolve().parent / "eager_overhead.py"
 
 def run_once(tree: Path, calls: int, repeats: int) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
-    out = subprocess.run([sys.executable, str(BENCH), "--calls", str(calls), "--repeats", str(repeats)],
+    out = subprocess.run([sys.executable, str(BENCH), "--calls", str(calls), "--repeats", str(repeats),
+                          "--stat", "min"],
                          env=env, capture_output=True, text=True, check=True).stdout
     times = {}
     for line in out.splitlines():
@@ -38,8 +40,8 @@ def main() -> None:
     parser.add_argument("old", type=Path)
     parser.add_argument("new", type=Path)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--calls", type=int, default=1000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     trees = {"old": args.old.resolve(), "new": args.new.resolve()}
     samples: dict[str, dict[str, list[float]]] = {k: {} for k in trees}
@@ -53,8 +55,8 @@ def main() -> None:
     print(f"{'op':22} {'old us':>8} {'new us':>8} {'new/old':>8}")
     ratios = []
     for op in samples["old"]:
-        old = statistics.median(samples["old"][op])
-        new = statistics.median(samples["new"][op])
+        old = min(samples["old"][op])
+        new = min(samples["new"][op])
         ratios.append(new / old)
         print(f"{op:22} {old:8.1f} {new:8.1f} {new / old:8.3f}")
     print(f"\nmedian new/old over ops: {statistics.median(ratios):.3f} ({args.rounds} rounds of each tree)")

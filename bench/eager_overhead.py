@@ -1,9 +1,10 @@
 """Per-op latency in eager mode: neuron vs CPU PyTorch vs the same jitted JAX function (the floor).
 
 Each op is timed side by side in one run (the machine is shared and noisy): median of repeats of
-N back-to-back calls, with a device synchronisation at the end of each repeat.
+N back-to-back calls, with a device synchronisation at the end of each repeat (``--stat min``: the
+fastest repeat, the one least disturbed by other load).
 
-    .venv/bin/python bench/eager_overhead.py [--calls 2000] [--repeats 7]
+    .venv/bin/python bench/eager_overhead.py [--calls 2000] [--repeats 7] [--stat median|min]
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 
 import torchneuron  # noqa: F401
 
+_STAT = statistics.median
+
 
 def _median_us(fn, calls, repeats, sync):
     fn()
@@ -29,7 +32,7 @@ def _median_us(fn, calls, repeats, sync):
             fn()
         sync()
         samples.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(samples)
+    return _STAT(samples)
 
 
 def cases():
@@ -66,7 +69,10 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--stat", choices=("median", "min"), default="median")
     args = parser.parse_args()
+    global _STAT
+    _STAT = min if args.stat == "min" else statistics.median
 
     rows = [(case[0], *measure(*case[1:], args.calls, args.repeats)) for case in cases()]
 

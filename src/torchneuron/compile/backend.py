@@ -14,6 +14,10 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch._decomp import core_aten_decompositions
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor import inductor_prims
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..config import config
@@ -66,8 +70,6 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
 
 
 def _compile_aot(gm, example_inputs, opts: CompileOptions):
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     graph_id = next(_graph_ids)
 
@@ -98,8 +100,6 @@ def _compile_aot(gm, example_inputs, opts: CompileOptions):
 def decompositions() -> dict:
     """Core-ATen decompositions, minus functional ops the registry lowers directly (eager's lowering
     of the op is then also the graph's, and the graph stays smaller)."""
-    from torch._decomp import core_aten_decompositions
-    from torch._inductor import inductor_prims
 
     table = {}
     for op, fn in core_aten_decompositions().items():

@@ -14,6 +14,8 @@ import sys
 import types
 from collections import Counter
 
+from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
 from ..metrics import metrics
 
 # User-facing helpers Dynamo should trace into (they are plain torch code).
@@ -55,7 +57,6 @@ def _code_objects(module):
 
 def skip_own_frames() -> None:
     """Mark every loaded torchneuron module's code "skip recursively" for Dynamo's frame hook."""
-    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
     strategy = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
     for name, module in list(sys.modules.items()):
         if module is None or name in _marked or name in _TRACEABLE:
@@ -75,6 +76,7 @@ def _reason(message: str) -> str:
 def _for_neuron() -> bool:
     """True while Dynamo is tracing a frame whose backend is the neuron backend."""
     try:
+        # torch._dynamo (seconds to import) is loaded by then: a frame is being traced.
         from torch._dynamo.eval_frame import innermost_backend
         from torch._dynamo.symbolic_convert import InstructionTranslator
         tx = InstructionTranslator.current_tx()
@@ -102,7 +104,7 @@ def install() -> None:
     skip_own_frames()
     if "torch._dynamo" not in sys.modules:
         return
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # loaded already (checked above)
     current = counters.get("graph_break")
     if not isinstance(current, _BreakCounter):
         counters["graph_break"] = _BreakCounter(current or {})
@@ -114,6 +116,7 @@ _last_compile = None
 def note_recompile() -> None:
     """Count a Dynamo recompile of the frame being compiled (once per compile), with its reason."""
     global _last_compile
+    # Called while Dynamo compiles a frame, so torch._dynamo is loaded; this module must not load it.
     from torch._dynamo.utils import get_metrics_context
     from torch._guards import CompileContext
     compile_id = CompileContext.current_compile_id()

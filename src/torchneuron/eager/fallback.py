@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map
 
 from ..config import config
 from ..metrics import metrics
-from ..ops.signature import functional_of, out_names, writes
+from ..ops.signature import OpSignature, functional_of, out_names
 from ..runtime import memory
 from ..runtime.device import current_device
 from .kernel import describe_args
@@ -101,6 +101,7 @@ def _neuron_fallback(op, *args, **kwargs):
 
 
 _functional_cache: dict = {}
+_signatures: dict = {}   # op -> its OpSignature (which arguments it writes)
 
 
 def _functional_of(op):
@@ -166,16 +167,15 @@ def cpu_fallback(op, args, kwargs):
     result = op(*cpu_args, **cpu_kwargs)
 
     # In-place and out= effects travel back into the caller's neuron tensors.
-    schema = op._schema
-    bound = list(cpu_args) + [cpu_kwargs.get(a.name) for a in schema.arguments[len(cpu_args):]]
-    for arg, value in zip(schema.arguments, bound):
-        if writes(arg) and value is not None:
-            for cpu_t in (value if isinstance(value, list | tuple) else [value]):
-                target = originals.get(id(cpu_t))
-                if target is not None:
-                    if target.shape != cpu_t.shape:
-                        target.resize_(cpu_t.shape)
-                    target.copy_(cpu_t)
+    sig = _signatures.get(op)
+    if sig is None:
+        sig = _signatures[op] = OpSignature(op, None)
+    for _, _, cpu_t in sig.mutated_tensors(sig.bind(cpu_args, cpu_kwargs, missing=None)):
+        target = originals.get(id(cpu_t))
+        if target is not None:
+            if target.shape != cpu_t.shape:
+                target.resize_(cpu_t.shape)
+            target.copy_(cpu_t)
 
     def to_device(v):
         if isinstance(v, torch.Tensor):

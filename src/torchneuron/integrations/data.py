@@ -11,6 +11,7 @@ itself. So for neuron the loader hands batches over unpinned, for every other de
 from __future__ import annotations
 
 import torch
+from torch.utils.data._utils import pin_memory as module
 
 _original = None
 
@@ -30,7 +31,6 @@ def pin_memory(data, device=None):
 
 def install() -> None:
     global _original
-    from torch.utils.data._utils import pin_memory as module
     if _original is not None or getattr(module.pin_memory, "__module__", "") == __name__:
         return
     _original = module.pin_memory

@@ -8,10 +8,15 @@ values the script tracks (``torchneuron.track``) and snapshots the metrics regis
 
 from __future__ import annotations
 
+import linecache
 import math
 import time
 import traceback
 from collections import Counter
+
+import numpy as np
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import profiler
 from ..metrics import metrics
@@ -131,8 +136,6 @@ class Collector:
         global _active
         if _active is not None:
             raise RuntimeError("torchneuron: a readiness report is already collecting in this process")
-        import torch
-        from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self.wall_start = time.time()
         self.t_start = time.perf_counter()
@@ -230,13 +233,11 @@ class Collector:
         if source == "explicit" and not self.explicit_seen:
             self.explicit_seen = True
         if self.sync and self.role == "neuron":
-            import torch
             # Device work runs asynchronously; a step ends when its work has finished.
             torch.neuron.synchronize()
         t = time.perf_counter()
         mem = None
         if self.role == "neuron":
-            import torch
             mem = torch.neuron.memory_allocated()
         self.boundaries.append({"t": t, "source": source, "samples": samples, "snap": _light_snapshot(),
                                 "memory": mem})
@@ -264,7 +265,6 @@ class Collector:
         entry["values"].append(values)
 
     def _host_values(self, value):
-        import torch
         if isinstance(value, torch.Tensor):
             t = value.detach()
             shape = list(t.shape)
@@ -287,7 +287,6 @@ class Collector:
         if isinstance(value, bool | int | float):
             return [float(value)], []
         try:
-            import numpy as np
             arr = np.asarray(value, dtype=np.float64).reshape(-1)
             return [float(x) for x in arr[: TRACK_LIMIT]], list(np.shape(value))
         except (TypeError, ValueError):
@@ -330,7 +329,6 @@ class Collector:
 
         memory = None
         if self.role == "neuron":
-            import torch
             n = torch.neuron.device_count()
             memory = {"devices": [{"index": i, "peak_bytes": torch.neuron.max_memory_allocated(i),
                                    "allocated_bytes": torch.neuron.memory_allocated(i)} for i in range(n)]}
@@ -373,7 +371,7 @@ def _listen_to_jax() -> None:
         return
     _jax_listening = True
     try:
-        from jax import monitoring
+        from jax import monitoring  # optional: older jax releases have no event listeners
     except ImportError:
         return
 
@@ -410,6 +408,5 @@ def _exception_site(err: BaseException):
     if found is None:
         return None
     frame = found.tb_frame
-    import linecache
     return {"file": frame.f_code.co_filename, "line": found.tb_lineno, "function": frame.f_code.co_name,
             "code": linecache.getline(frame.f_code.co_filename, found.tb_lineno).strip()}

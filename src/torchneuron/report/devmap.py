@@ -14,6 +14,8 @@ import contextlib
 import functools
 import time
 
+import torch
+
 # Factories and other torch functions that take ``device=``.
 _FACTORIES = (
     "tensor", "as_tensor", "asarray", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm",
@@ -61,7 +63,6 @@ class DeviceMap:
 
     # -- mapping one device argument ----------------------------------------------------------
     def device(self, dev):
-        import torch
         if isinstance(dev, str | torch.device):
             d = torch.device(dev)
             target = self.mapping.get(d.type)
@@ -85,7 +86,6 @@ class DeviceMap:
         setattr(owner, name, value)
 
     def install(self) -> DeviceMap:
-        import torch
 
         dm = self
         for name in _FACTORIES:
@@ -200,7 +200,6 @@ class DeviceMap:
 
 
 def _sync():
-    import torch
     if hasattr(torch, "neuron"):
         torch.neuron.synchronize()
 

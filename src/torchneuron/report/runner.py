@@ -17,7 +17,10 @@ import runpy
 import signal
 import sys
 import time
+import traceback
 
+from . import collect
+from .devmap import DeviceMap
 from .env import manifest
 from .render import jsonable
 
@@ -59,9 +62,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torchneuron  # noqa: F401  (registers the device before the script sees torch)
 
-    from . import collect
-    from .devmap import DeviceMap
-
     devmap = DeviceMap(spec["device_map"]).install() if spec.get("device_map") else None
     collector = collect.Collector(role=spec["role"], max_steps=spec.get("steps"), sync=spec.get("sync", True),
                                   rtol=spec.get("rtol", 1e-3), atol=spec.get("atol", 1e-5))
@@ -88,7 +88,6 @@ def main(argv: list[str] | None = None) -> int:
                           error={"type": "SystemExit", "message": str(code), "traceback": "", "site": None})
     except BaseException as err:  # noqa: B036 - the script's failure is the report's data
         status.update(outcome="error", exit_code=1, error=collect.describe_exception(err))
-        import traceback
         traceback.print_exc()
     finally:
         if timeout:
