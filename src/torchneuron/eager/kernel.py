@@ -87,7 +87,15 @@ class Kernel(OpSignature):
     # -- the hot path ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         metrics.op_calls[self.short_name] += 1
-        values = self.bind(args, kwargs)
+        # OpSignature.bind, inlined: a method call here would cost every op.
+        values = list(args)
+        n = len(values)
+        if n < len(self.defaults):
+            values.extend(self.defaults[n:])
+        if kwargs:
+            index_of = self.index_of
+            for k, v in kwargs.items():
+                values[index_of[k]] = v
         bufs, addrs, slots, runtime, specs = [], [], {}, [], []
         ctx = _KeyContext(bufs, addrs, slots, runtime)
         kinds = self.kinds

@@ -10,9 +10,10 @@ from __future__ import annotations
 import jax
 import torch
 
-from ..runtime import layout, memory, pjrt, transfers
+from ..runtime import memory, pjrt, transfers
 from ..runtime.device import current_device
 from ..runtime.dtypes import device_dtype, jax_dtype
+from ..runtime.layout import is_contiguous
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
@@ -97,7 +98,7 @@ def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
     if tuple(host_src.shape) != tuple(self.shape):
         host_src = host_src.expand(self.shape)
     rec = memory.record_of(self)
-    covers_storage = (self.storage_offset() == 0 and layout.is_contiguous(tuple(self.shape), self.stride())
+    covers_storage = (self.storage_offset() == 0 and is_contiguous(tuple(self.shape), self.stride())
                       and rec.dtype == self.dtype and rec.numel == self.numel())
     arr = transfers.upload(transfers.host_array(host_src).reshape(-1), rec.device_index)
     if covers_storage:
@@ -109,11 +110,11 @@ def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
 
 
 def _device_copy(dst, src):
-    # The lowered copy_ kernel (eager/registration.py builds it from ops/ before registering this).
     return device_copy_kernel(dst, src)
 
 
-# Set by registration: the Kernel of aten::copy_ that the lowering drives.
+# The Kernel of aten::copy_ driven by its lowering: set by registration, which builds it before it
+# registers copy_ above as the op's kernel.
 device_copy_kernel = None
 
 
