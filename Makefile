@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint bench clean
+.PHONY: demo test test-all lint bench upstream clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,12 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal -m ""
+
+# PyTorch's own device-generic tests on neuron, complete (hours on 2 cores; resumes where it stopped):
+# results under build/upstream, counts in docs/upstream.md. UPSTREAM_TESTS: a directory of the files.
+UPSTREAM_TESTS ?=
+upstream: $(STAMP)
+	nice -n 10 $(PY) -m torchneuron.tools.upstream --cpu-check $(if $(UPSTREAM_TESTS),--tests-dir $(UPSTREAM_TESTS))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,158 @@
+"""PyTorch's own device-generic tests on neuron (torchneuron.tools.upstream).
+
+The runner's machinery (ids, expectations, crash and timeout recovery, stale entries) is tested on
+a small device-generic file written here; the CI slice runs a deterministic sample of the real
+upstream files when they are present (``tests/upstream/pytorch`` or ``../shared/upstream-tests``).
+The complete run is ``make upstream``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from torchneuron.tools import upstream
+
+REPO = upstream.REPO
+
+
+def _run(*args, timeout=1800):
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    return subprocess.run([sys.executable, "-m", "torchneuron.tools.upstream", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_neutral_names_match_neuron_and_cpu_instantiations():
+    assert upstream.neutral_name("TestShapeOpsPRIVATEUSE1", "test_flip_neuron_float32", "neuron") == \
+        "TestShapeOps.test_flip_float32"
+    assert upstream.neutral_name("TestCommonNEURON", "test_out_abs_neuron_float32", "neuron") == \
+        "TestCommon.test_out_abs_float32"
+    assert upstream.neutral_name("TestShapeOpsCPU", "test_flip_cpu_float32", "cpu") == \
+        "TestShapeOps.test_flip_float32"
+    # Only the device token is removed, not a "cpu" inside the test's own name.
+    assert upstream.neutral_name("TestFooCPU", "test_to_cpu_cpu", "cpu") == "TestFoo.test_to_cpu"
+    assert upstream.neutral_name("TestFooNEURON", "test_neuronx_neuron", "neuron") == "TestFoo.test_neuronx"
+
+
+def test_sample_is_deterministic_and_bounded():
+    ids = [f"TestX.test_{i}" for i in range(500)]
+    a = upstream.sample_ids("f.py", ids, 20)
+    assert a == upstream.sample_ids("f.py", list(reversed(ids)), 20) and len(a) == 20
+    assert upstream.sample_ids("g.py", ids, 20) != a
+
+
+def test_expectations_need_a_class_and_a_reason(tmp_path):
+    bad = tmp_path / "e.toml"
+    bad.write_text('["f.py"]\n"TestX.test_a" = { class = "flaky", reason = "x" }\n')
+    with pytest.raises(ValueError, match="class must be one of"):
+        upstream.Expectations(bad)
+    bad.write_text('["f.py"]\n"TestX.test_a" = { class = "known-bug", reason = "wrong values" }\n')
+    with pytest.raises(ValueError, match="names its issue"):
+        upstream.Expectations(bad)
+
+
+def test_the_project_expectations_file_is_valid():
+    e = upstream.Expectations(upstream.DEFAULT_EXPECTATIONS)
+    for file, entries in e.entries.items():
+        assert file in upstream.FILES, file
+        for pattern, entry in entries:
+            assert entry["reason"].strip() and not entry["reason"].startswith("TODO"), (file, pattern)
+
+
+FAKE = '''
+import os, time, torch
+from torch.testing._internal.common_device_type import instantiate_device_type_tests
+from torch.testing._internal.common_utils import TestCase, run_tests
+
+class TestFake(TestCase):
+    def test_add(self, device):
+        self.assertEqual((torch.ones(3, device=device) + 1).cpu(), torch.full((3,), 2.0))
+
+    def test_wrong(self, device):
+        self.assertEqual(torch.ones(2, device=device).sum().item(), 3.0)
+
+    def test_crash(self, device):
+        os._exit(7)
+
+    def test_hang(self, device):
+        time.sleep(600)
+
+    def test_stale(self, device):
+        pass
+
+    def test_zz_after(self, device):
+        self.assertEqual(torch.zeros(1, device=device).item(), 0.0)
+
+instantiate_device_type_tests(TestFake, globals())
+
+if __name__ == "__main__":
+    run_tests()
+'''
+
+
+@pytest.fixture
+def fake_tests(tmp_path):
+    d = tmp_path / "tests"
+    d.mkdir()
+    data = FAKE.encode()
+    (d / "test_fake.py").write_bytes(data)
+    (d / "SOURCES.tsv").write_text(
+        f"test_fake.py\ttest/test_fake.py\tlocal\t{len(data)}\t{upstream.git_blob_sha1(data)}\twritten by the test\n")
+    exp = tmp_path / "expectations.toml"
+    exp.write_text(textwrap.dedent('''
+        ["test_fake.py"]
+        "TestFake.test_wrong" = { class = "known-bug", reason = "issue 0: a sum that is wrong on purpose" }
+        "TestFake.test_stale" = { class = "known-bug", reason = "issue 0: passes, so this entry is stale" }
+    '''))
+    return d, exp
+
+
+def test_runner_records_crashes_and_timeouts_and_resumes(fake_tests, tmp_path):
+    tests_dir, exp = fake_tests
+    out, results = tmp_path / "upstream.md", tmp_path / "results"
+    r = _run("--tests-dir", str(tests_dir), "--files", "test_fake.py", "--results", str(results),
+             "--expectations", str(exp), "--output", str(out), "--timeout", "15")
+    recs = {json.loads(line)["id"]: json.loads(line)
+            for line in (results / "neuron" / "test_fake.py.jsonl").read_text().splitlines()}
+    status = {k: v["status"] for k, v in recs.items()}
+    assert status == {"TestFake.test_add": "passed", "TestFake.test_wrong": "failed",
+                      "TestFake.test_crash": "crashed", "TestFake.test_hang": "timeout",
+                      "TestFake.test_stale": "passed", "TestFake.test_zz_after": "passed"}, r.stderr
+    # Crash and timeout fail the run; so does the stale entry; the expected failure does not.
+    assert r.returncode == 1
+    assert "CRASHED test_fake.py::TestFake.test_crash" in r.stdout
+    assert "TIMEOUT test_fake.py::TestFake.test_hang" in r.stdout
+    assert "STALE test_fake.py::TestFake.test_stale" in r.stdout
+    assert "test_wrong" not in r.stdout
+    md = out.read_text()
+    assert "| test_fake.py | 6 | 3 | 0 |" in md   # results, passed, failed outside expectations
+    # Resuming runs nothing again (no worker starts: a second crash would be recorded twice).
+    r2 = _run("--tests-dir", str(tests_dir), "--files", "test_fake.py", "--results", str(results),
+              "--expectations", str(exp), "--output", str(out), "--timeout", "15")
+    lines = (results / "neuron" / "test_fake.py.jsonl").read_text().splitlines()
+    assert len(lines) == 6, lines
+    assert r2.returncode == 1
+
+
+def test_runner_refuses_a_file_whose_hash_does_not_match(fake_tests, tmp_path):
+    tests_dir, exp = fake_tests
+    (tests_dir / "test_fake.py").write_text(FAKE + "\n# edited\n")
+    r = _run("--tests-dir", str(tests_dir), "--files", "test_fake.py", "--results", str(tmp_path / "r"),
+             "--expectations", str(exp), "--no-render")
+    assert "matches no row of SOURCES.tsv; not run" in r.stdout
+
+
+UPSTREAM_DIR = upstream.find_tests_dir(None)
+
+
+@pytest.mark.skipif(UPSTREAM_DIR is None, reason="PyTorch's upstream test files are not present")
+def test_upstream_sample_has_no_unexpected_failures(tmp_path):
+    """A deterministic sample of every available upstream file: nothing fails outside the
+    expectations file, nothing crashes, no expectation is stale."""
+    r = _run("--sample", str(upstream.CI_SAMPLE), "--results", str(tmp_path / "results"),
+             "--no-render", "--timeout", "600", "--jobs", "2")
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert " 0 failed unexpectedly" in r.stdout
