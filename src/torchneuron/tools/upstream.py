@@ -645,8 +645,36 @@ def cpu_check(files, tests_dir, results_dir, expectations, timeout, log=print):
     return skew
 
 
+# First guesses for --suggest, from the failure's message and the test's name: (class, reason,
+# regex on "id: message"). A maintainer confirms each before it goes into the expectations file.
+GUESSES = [
+    ("not-supported-by-design", "sparse tensors are not supported on neuron", r"[Ss]parse|to_sparse|_csr|_coo"),
+    ("not-supported-by-design", "quantized tensors are not supported on neuron", r"[Qq]uantized|quantize_per"),
+    ("not-supported-by-design", "nested tensors are not supported on neuron", r"[Nn]ested"),
+    ("not-supported-by-design", "forward-mode AD is not supported on neuron", r"forward_ad|fw_grad|make_dual|jvp"),
+    ("not-supported-by-design", "the dtype is not supported on neuron (complex32, float8, uint16-64...)",
+     r"is not supported on the neuron device"),
+    ("known-bug", "issue 19: CPU index tensors/masks on neuron tensors are rejected",
+     r"found at least two devices, neuron:0 and cpu"),
+    ("known-bug", "issue 19: PyTorch's Python reference raises ValueError/IndexError/TypeError where CPU "
+     "raises RuntimeError", r"^[^:]*: (ValueError|IndexError): "),
+    ("known-bug", "issue 19: out=/in-place casting and device checks are missing",
+     r"(out|_out_|casting|inplace|_).*RuntimeError not raised"),
+    ("not-supported-by-design", "float64/complex128 run as float32/complex64 (TorchNeuron's dtype policy)",
+     r"(float64|complex128|double).*(not close|not equal|dtype|do not match|mismatch)"),
+]
+
+
+def guess(tid: str, message: str) -> tuple[str, str]:
+    text = f"{tid}: {message}"
+    for cls, reason, pattern in GUESSES:
+        if re.search(pattern, text):
+            return cls, reason
+    return "known-bug", "TODO (issue ?): " + message.replace('"', "'").replace("\\", "/")[:150]
+
+
 def suggest(results, expectations, skew) -> str:
-    """TOML lines for failures without an entry (a maintainer gives each its real reason)."""
+    """TOML lines for failures without an entry, with a first guess at their class."""
     out = []
     for file, recs in results.items():
         new = [(t, r) for t, r in sorted(recs.items())
@@ -655,9 +683,11 @@ def suggest(results, expectations, skew) -> str:
             continue
         out.append(f'\n["{file}"]')
         for t, r in new:
-            cls = "version-skew" if t in skew.get(file, ()) else "known-bug"
-            msg = r.get("message", "").replace('"', "'").replace("\\", "/")[:150]
-            out.append(f'"{t}" = {{ class = "{cls}", reason = "TODO: {msg}" }}')
+            if t in skew.get(file, ()):
+                cls, reason = "version-skew", "fails on CPU too: " + r.get("message", "")[:120].replace('"', "'")
+            else:
+                cls, reason = guess(t, r.get("message", ""))
+            out.append(f'"{t}" = {{ class = "{cls}", reason = "{reason}" }}')
     return "\n".join(out)
 
 
@@ -761,7 +791,7 @@ def main(argv=None) -> int:
           f"{total['skipped-upstream']} skipped by PyTorch, {total['expected']} expected, "
           f"{total['crashed']} crashed, {total['timeout']} timed out, {len(stale)} stale expectations")
     for cat in ("failed", "crashed", "timeout"):
-        for file, tid, status, msg in details.get(cat, [])[:50]:
+        for file, tid, _status, msg in details.get(cat, [])[:50]:
             print(f"  {cat.upper()} {file}::{tid}: {msg[:200]}")
     for file, pattern, _, _ in stale:
         print(f"  STALE {file}::{pattern}: every matching test passes; remove the entry")
