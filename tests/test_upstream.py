@@ -152,7 +152,7 @@ UPSTREAM_DIR = upstream.find_tests_dir(None)
 def test_upstream_sample_has_no_unexpected_failures(tmp_path):
     """A deterministic sample of every available upstream file: nothing fails outside the
     expectations file, nothing crashes, no expectation is stale."""
-    r = _run("--sample", str(upstream.CI_SAMPLE), "--results", str(tmp_path / "results"),
+    r = _run("--ci-sample", "--results", str(tmp_path / "results"),
              "--no-render", "--timeout", "600", "--jobs", "2")
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     assert " 0 failed unexpectedly" in r.stdout
