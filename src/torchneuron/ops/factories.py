@@ -236,8 +236,30 @@ def randperm_generator(n, *, generator=None, key, **_factory):
     return jax.random.permutation(key, n)
 
 
-@lowering("multinomial.default", random=True)
+# ATen's names for the dtypes its errors mention ("got: Long").
+_SCALAR_TYPE_NAMES = {jnp.dtype(k): v for k, v in (
+    (jnp.int64, "Long"), (jnp.int32, "Int"), (jnp.int16, "Short"), (jnp.int8, "Char"),
+    (jnp.uint8, "Byte"), (jnp.bool_, "Bool"), (jnp.complex64, "ComplexFloat"),
+    (jnp.complex128, "ComplexDouble"))}
+
+
+def _check_multinomial(self, num_samples, replacement):
+    """ATen's checks of multinomial's static arguments (PyTorch's meta kernel checks only the rank;
+    the lowering runs for the shapes, so these raise before anything compiles)."""
+    if self.ndim not in (1, 2):
+        raise RuntimeError("prob_dist must be 1 or 2 dim")
+    if not jnp.issubdtype(self.dtype, jnp.floating):
+        name = _SCALAR_TYPE_NAMES.get(jnp.dtype(self.dtype), str(self.dtype))
+        raise RuntimeError(f"multinomial only supports floating-point dtypes for input, got: {name}")
+    if num_samples <= 0:
+        raise RuntimeError("cannot sample n_sample <= 0 samples")
+    if not replacement and num_samples > self.shape[-1]:
+        raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
+
+
+@lowering("multinomial.default", random=True, shape_from_lowering=True)
 def multinomial(self, num_samples, replacement=False, *, generator=None, key):
+    _check_multinomial(self, num_samples, replacement)
     logits = jnp.log(self.astype(jnp.float32))
     if replacement:
         shape = (num_samples,) + self.shape[:-1]
