@@ -41,3 +41,26 @@ def test_multinomial_valid_arguments_still_sample():
     assert with_replacement.shape == (2, 5) and (with_replacement[1] == 0).all()
     half = torch.multinomial(probs.to(torch.float16).to("neuron"), 1).cpu()
     assert half.dtype == torch.int64 and half[1].item() == 0
+
+
+# TestCommon.test_dtypes_nn_functional_huber_loss: integer losses ran on neuron where ATen's
+# floating-point kernels raise NotImplementedError.
+@pytest.mark.parametrize("loss", [torch.nn.functional.huber_loss, torch.nn.functional.smooth_l1_loss])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_floating_only_losses_reject_integers_like_cpu(loss, dtype):
+    a, b = torch.arange(6).reshape(2, 3).to(dtype), torch.full((2, 3), 2, dtype=dtype)
+    with pytest.raises(NotImplementedError, match="not implemented for"):
+        loss(a, b)
+    with pytest.raises(NotImplementedError, match=r"not implemented for '(Long|Int|Byte)'"):
+        loss(a.to("neuron"), b.to("neuron"))
+
+
+@pytest.mark.parametrize("loss", [torch.nn.functional.huber_loss, torch.nn.functional.smooth_l1_loss])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_floating_only_losses_still_match_cpu(loss, dtype):
+    a = torch.arange(6.0).reshape(2, 3).to(dtype)
+    b = torch.full((2, 3), 2.0, dtype=dtype)
+    for reduction in ("mean", "none"):
+        got = loss(a.to("neuron"), b.to("neuron"), reduction=reduction)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.cpu(), loss(a, b, reduction=reduction))

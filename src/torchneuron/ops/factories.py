@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from .numerics import compute_dtype
+from .numerics import compute_dtype, scalar_type_name
 from .registry import lowering
 
 
@@ -236,21 +236,14 @@ def randperm_generator(n, *, generator=None, key, **_factory):
     return jax.random.permutation(key, n)
 
 
-# ATen's names for the dtypes its errors mention ("got: Long").
-_SCALAR_TYPE_NAMES = {jnp.dtype(k): v for k, v in (
-    (jnp.int64, "Long"), (jnp.int32, "Int"), (jnp.int16, "Short"), (jnp.int8, "Char"),
-    (jnp.uint8, "Byte"), (jnp.bool_, "Bool"), (jnp.complex64, "ComplexFloat"),
-    (jnp.complex128, "ComplexDouble"))}
-
-
 def _check_multinomial(self, num_samples, replacement):
     """ATen's checks of multinomial's static arguments (PyTorch's meta kernel checks only the rank;
     the lowering runs for the shapes, so these raise before anything compiles)."""
     if self.ndim not in (1, 2):
         raise RuntimeError("prob_dist must be 1 or 2 dim")
     if not jnp.issubdtype(self.dtype, jnp.floating):
-        name = _SCALAR_TYPE_NAMES.get(jnp.dtype(self.dtype), str(self.dtype))
-        raise RuntimeError(f"multinomial only supports floating-point dtypes for input, got: {name}")
+        raise RuntimeError("multinomial only supports floating-point dtypes for input, got: "
+                           f"{scalar_type_name(self.dtype)}")
     if num_samples <= 0:
         raise RuntimeError("cannot sample n_sample <= 0 samples")
     if not replacement and num_samples > self.shape[-1]:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .numerics import compute_dtype
+from .numerics import compute_dtype, require_floating
 from .registry import lowering
 
 
@@ -94,6 +94,7 @@ def _smooth_l1(self, target, beta):
 
 @lowering("smooth_l1_loss.default", promote="result", promote_args=("self", "target"))
 def smooth_l1_loss(self, target, reduction=1, beta=1.0):
+    require_floating("smooth_l1_loss", self, target, allow_complex=False)
     return reduce_loss(_smooth_l1(self, target, beta), reduction)
 
 
@@ -110,6 +111,7 @@ def _huber(self, target, delta):
 
 @lowering("huber_loss.default", promote="result", promote_args=("self", "target"))
 def huber_loss(self, target, reduction=1, delta=1.0):
+    require_floating("huber_loss", self, target, allow_complex=False)
     return reduce_loss(_huber(self, target, delta), reduction)
 
 
