@@ -64,3 +64,52 @@ def test_floating_only_losses_still_match_cpu(loss, dtype):
         got = loss(a.to("neuron"), b.to("neuron"), reduction=reduction)
         assert got.dtype == dtype
         torch.testing.assert_close(got.cpu(), loss(a, b, reduction=reduction))
+
+
+# TestPoolingNNDeviceType.test_FractionalMaxPool3d_zero_out_size (and any unbatched input): ATen
+# takes (1, C, nd) random samples for an unbatched input and ignores sample rows past the batch;
+# neuron failed to compile both.
+@pytest.mark.parametrize("nd", [2, 3])
+@pytest.mark.parametrize("case", ["unbatched", "unbatched-empty-output", "extra-sample-rows"])
+def test_fractional_max_pool_samples_like_cpu(nd, case):
+    gen = torch.Generator().manual_seed(nd)
+    fn = torch.nn.functional.fractional_max_pool2d if nd == 2 else torch.nn.functional.fractional_max_pool3d
+    spatial, kernel = (9, 7, 8)[:nd], (2, 3, 2)[:nd]
+    output = (0,) + (3,) * (nd - 1) if case == "unbatched-empty-output" else (4, 3, 3)[:nd]
+    shape = (3, *spatial) if case.startswith("unbatched") else (2, 3, *spatial)
+    x = torch.randn(shape, generator=gen, requires_grad=True)
+    samples = torch.rand(1 if case.startswith("unbatched") else 5, 3, nd, generator=gen)
+    expected, expected_idx = fn(x, kernel, output_size=output, _random_samples=samples, return_indices=True)
+    xn = x.detach().to("neuron").requires_grad_()
+    got, got_idx = fn(xn, kernel, output_size=output, _random_samples=samples.to("neuron"), return_indices=True)
+    torch.testing.assert_close(got.cpu(), expected)
+    torch.testing.assert_close(got_idx.cpu(), expected_idx)
+    if expected.numel():
+        grad = torch.randn(expected.shape, generator=gen)
+        expected.backward(grad)
+        got.backward(grad.to("neuron"))
+        torch.testing.assert_close(xn.grad.cpu(), x.grad)
+
+
+def test_fractional_max_pool_too_few_sample_rows_raises_cpus_error():
+    x, samples = torch.rand(2, 3, 8, 8, 8), torch.rand(1, 3, 3)
+    with pytest.raises(RuntimeError, match="no less then input batch size"):
+        torch.nn.functional.fractional_max_pool3d(x, 2, output_size=3, _random_samples=samples)
+    with pytest.raises(RuntimeError, match="no less then input batch size"):
+        torch.nn.functional.fractional_max_pool3d(x.to("neuron"), 2, output_size=3,
+                                                  _random_samples=samples.to("neuron"))
+
+
+def test_fractional_max_pool3d_reads_samples_in_atens_order():
+    """Found by comparing the pooling file's inputs on CPU: ATen's 3-D kernel takes samples
+    (T, H, W) where the 2-D one takes (W, H); neuron read 3-D samples as (W, H, T), giving wrong
+    windows whenever the dims differ."""
+    gen = torch.Generator().manual_seed(0)
+    x, samples = torch.randn(2, 3, 9, 7, 8, generator=gen), torch.rand(2, 3, 3, generator=gen)
+    expected, expected_idx = torch.nn.functional.fractional_max_pool3d(
+        x, (2, 3, 2), output_size=(4, 3, 3), _random_samples=samples, return_indices=True)
+    got, got_idx = torch.nn.functional.fractional_max_pool3d(
+        x.to("neuron"), (2, 3, 2), output_size=(4, 3, 3), _random_samples=samples.to("neuron"),
+        return_indices=True)
+    torch.testing.assert_close(got.cpu(), expected)
+    torch.testing.assert_close(got_idx.cpu(), expected_idx)

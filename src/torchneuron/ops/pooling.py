@@ -322,12 +322,16 @@ def _intervals(sample, in_size, out_size, pool):
 def _fractional_max(self, kernel_size, output_size, random_samples, nd):
     batched = self.ndim == nd + 2
     x = self if batched else self[None]
-    samples = random_samples if batched else random_samples[None]
-    samples = samples.astype(compute_dtype(x.dtype))
+    # ATen reads samples[n, c] for batch rows n < N: an unbatched input takes (1, C, nd) samples
+    # too, and rows past N are ignored.
+    if random_samples.shape[0] < x.shape[0]:
+        raise RuntimeError("Expect _random_samples.size(0) no less then input batch size.")
+    samples = random_samples[:x.shape[0]].astype(compute_dtype(x.dtype))
     starts, sizes = [], []
+    # Which sample drives which dim, as ATen reads them: 2-D takes (W, H), 3-D takes (T, H, W).
+    order = (1, 0) if nd == 2 else (0, 1, 2)
     for d in range(nd):
-        # samples[..., 0] drives the last (width) dim, [..., 1] the one before, ...
-        seq = _intervals(samples[..., nd - 1 - d], x.shape[2 + d], output_size[d], kernel_size[d])
+        seq = _intervals(samples[..., order[d]], x.shape[2 + d], output_size[d], kernel_size[d])
         shape = list(seq.shape[:2]) + [1] * nd
         shape[2 + d] = output_size[d]
         starts.append(seq.reshape(shape))
