@@ -113,3 +113,24 @@ def test_fractional_max_pool3d_reads_samples_in_atens_order():
         return_indices=True)
     torch.testing.assert_close(got.cpu(), expected)
     torch.testing.assert_close(got_idx.cpu(), expected_idx)
+
+
+# TestPoolingNNDeviceType.test_adaptive_pooling_no_suppot_input: adaptive pooling averaged and
+# maxed integer tensors where ATen's kernels raise "not implemented for 'Long'".
+@pytest.mark.parametrize("fn", [
+    lambda x: torch.nn.functional.adaptive_avg_pool1d(x[0], 2),
+    lambda x: torch.nn.functional.adaptive_avg_pool2d(x, 2),
+    lambda x: torch.nn.functional.adaptive_avg_pool3d(x[None], 2),
+    lambda x: torch.nn.functional.adaptive_max_pool1d(x[0], 2),
+    lambda x: torch.nn.functional.adaptive_max_pool2d(x, 2),
+    lambda x: torch.nn.functional.adaptive_max_pool3d(x[None], 2),
+], ids=["avg1d", "avg2d", "avg3d", "max1d", "max2d", "max3d"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8])
+def test_adaptive_pooling_rejects_integers_like_cpu(fn, dtype):
+    x = torch.arange(256).reshape(4, 4, 4, 4).to(dtype)
+    with pytest.raises(NotImplementedError, match="not implemented for"):
+        fn(x)
+    with pytest.raises(NotImplementedError, match=r"adaptive_(avg|max)_pool\dd\" not implemented for '(Long|Byte)'"):
+        fn(x.to("neuron"))
+    floating = x.float()
+    torch.testing.assert_close(fn(floating.to("neuron")).cpu(), fn(floating))

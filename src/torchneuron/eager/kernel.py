@@ -195,8 +195,9 @@ class Kernel(OpSignature):
         start = time.perf_counter()
         try:
             results = jitted(*bufs, *runtime)
-        except NotImplementedForDtype:
-            raise   # PyTorch's own "not implemented for 'Int'", as its CPU kernel raises it
+        except NotImplementedForDtype as err:
+            # A lowering rejecting a dtype as ATen's kernels do (ops.numerics.require_floating).
+            raise NotImplementedForDtype(f"{err}\n[torchneuron] in aten::{self.short_name}{_describe(values)}") from None
         except Exception as err:
             error = self.compile_error(values, err)
             if error is err:

@@ -274,6 +274,7 @@ def _adaptive_bounds(in_size, out_size):
 
 
 def _adaptive_max(self, output_size, nd):
+    require_floating(f"adaptive_max_pool{nd}d", self)
     batched = self.ndim == nd + 2
     x = self if batched else self[None]
     starts, sizes = [], []
