@@ -327,15 +327,18 @@ def _rss() -> int:
         return 0
 
 
-def _done_ids(out: Path) -> set:
-    done = set()
-    if out.exists():
-        for line in out.read_text().splitlines():
+def _records(path: Path):
+    """The JSON lines of a results file (a line cut short by a crash is skipped)."""
+    if path.exists():
+        for line in path.read_text().splitlines():
             try:
-                done.add(json.loads(line)["id"])
-            except (json.JSONDecodeError, KeyError):
-                continue   # a line cut by a crash
-    return done
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def _done_ids(out: Path) -> set:
+    return {r["id"] for r in _records(out) if "id" in r}
 
 
 # -- the parent: workers, timeouts, crashes ---------------------------------------------------------
@@ -432,19 +435,8 @@ def collected(results_dir: Path, device: str, file: str) -> int | None:
 
 
 def load_results(results_dir: Path, device: str, files) -> dict[str, dict[str, dict]]:
-    out = {}
-    for file in files:
-        path = results_path(results_dir, device, file)
-        recs = {}
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                recs[r["id"]] = r
-        out[file] = recs
-    return out
+    """file -> test id -> its last record (a re-run test's newer record wins)."""
+    return {file: {r["id"]: r for r in _records(results_path(results_dir, device, file))} for file in files}
 
 
 def classify(file: str, rec: dict, expectations: Expectations) -> tuple[str, str | None, str | None]:
