@@ -197,7 +197,7 @@ class Kernel(OpSignature):
             results = jitted(*bufs, *runtime)
         except NotImplementedForDtype as err:
             # A lowering rejecting a dtype as ATen's kernels do (ops.numerics.require_floating).
-            raise NotImplementedForDtype(f"{err}\n[torchneuron] in aten::{self.short_name}{_describe(values)}") from None
+            raise NotImplementedForDtype(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
         except Exception as err:
             error = self.compile_error(values, err)
             if error is err:
