@@ -467,3 +467,19 @@ def test_compile_fallback_setting_reads_the_environment():
     assert Config.from_env({}).compile_fallback == "error"
     with pytest.raises(Exception, match="unknown torch.compile option"):
         torch.compile(needs_fallback, backend="neuron", options={"fallbak": "eager"})(torch.rand(2).to("neuron"))
+
+
+@pytest.mark.parametrize("offset", [5, None])
+def test_as_strided_of_a_view_input_indexes_the_whole_storage(offset):
+    # as_strided's sizes, strides and offset index the input's storage, including elements outside
+    # the view the graph received (offset None keeps the view's own storage offset).
+    def f(x):
+        if offset is None:
+            return torch.as_strided(x, (2, 3), (1, 4)) * 2
+        return torch.as_strided(x, (2, 3), (1, 4), offset) * 2
+
+    base = torch.arange(24.).reshape(4, 6)
+    expected = f(base[1:, 2:])
+    nbase = base.to("neuron")
+    got = torch.compile(f, backend="neuron", fullgraph=True)(nbase[1:, 2:])
+    torch.testing.assert_close(got.cpu(), expected)

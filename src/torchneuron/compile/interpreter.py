@@ -106,8 +106,12 @@ class Interpreter:
         bufs = flat[: self.nbufs]
         rt = iter(flat[self.nbufs:])
         env = {}
+        # Flat storage buffers of device inputs, for as_strided (which indexes the whole storage).
+        self.storages = {}
         for ph, spec in zip(p.placeholders, self.specs):
             env[ph] = read_input(spec, bufs, rt)
+            if isinstance(spec, tuple) and len(spec) >= 5 and isinstance(spec[0], torch.dtype):
+                self.storages[ph] = (bufs[spec[4]], spec[0])
         for node, value in p.constants.items():
             env[node] = jnp.asarray(value)
         base_key = None
@@ -176,8 +180,10 @@ class Interpreter:
         values = sig.bind(node.args, node.kwargs, missing=None)
         metas = [meta_of(v) for v in values]
         arrays = [_lookup(v, env) for v in values]
-        if sig.short_name == "as_strided.default":
-            arrays[0] = _storage_of(values[0], arrays[0])
+        if sig.name == "aten::as_strided":
+            arrays[0] = self._storage_of(values[0], arrays[0])
+            if len(arrays) < 4 or arrays[3] is None:   # as_strided keeps its input's storage offset
+                arrays[3:] = [metas[0].storage_offset()]
         if kind == "index_put" and any(i is not None and i.dtype == jnp.bool_ for i in arrays[1]):
             env[node] = _bool_mask_index_put(arrays[0], arrays[1], arrays[2], bool(arrays[3]),
                                              node.meta["val"].dtype)
@@ -219,6 +225,14 @@ class Interpreter:
             results.append(value)
         return results
 
+    def _storage_of(self, node, value):
+        """as_strided indexes the storage: a graph input's whole storage buffer when its element type
+        is the input's; otherwise the input written into a storage of its storage's size."""
+        stored = self.storages.get(node)
+        if stored is not None and jax_dtype(stored[1]) == stored[0].dtype:
+            return stored[0]
+        return _rebuilt_storage(node, value)
+
 
 def _apply(sig, values, arrays, metas, out_meta, key):
     """One call of ``sig``'s lowering: (the node's value, [(mutated argument node, its new value)])."""
@@ -252,8 +266,7 @@ def _apply(sig, values, arrays, metas, out_meta, key):
     return sig.returned(outs, sources), mutated
 
 
-def _storage_of(node, value):
-    """as_strided indexes the storage: rebuild it when the input is not its contiguous prefix."""
+def _rebuilt_storage(node, value):
     m = meta_of(node)
     if not isinstance(m, torch.Tensor):
         return value
