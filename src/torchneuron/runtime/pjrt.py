@@ -3,14 +3,39 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import numpy as np
+from jax._src import xla_bridge
 
-from ..config import config
+from ..config import config, observe
 
 # int64 stays int64 and float64 can be kept when asked: JAX needs x64 mode for both.
 jax.config.update("jax_enable_x64", True)
+
+_async_dispatch_applied = None
+
+
+def _apply_async_dispatch(value: bool) -> None:
+    """Follow ``config.cpu_async_dispatch``: XLA's CPU client reads the switch when it starts, so a
+    change after that takes effect only in a new process (said once, as a warning)."""
+    global _async_dispatch_applied
+    value = bool(value)
+    if value == _async_dispatch_applied:
+        return
+    if _async_dispatch_applied is not None and xla_bridge.backends_are_initialized():
+        warnings.warn(
+            "torchneuron: config.cpu_async_dispatch changed after the CPU client started; it takes "
+            "effect in a new process (set TORCHNEURON_CPU_ASYNC_DISPATCH before starting it)", stacklevel=3)
+        return
+    # Inline execution: on the CPU platform every eager op is a small computation, and handing it to
+    # XLA's thread pool costs more CPU time than running it (measured in docs/performance.md).
+    jax.config.update("jax_cpu_enable_async_dispatch", value)
+    _async_dispatch_applied = value
+
+
+observe("cpu_async_dispatch", _apply_async_dispatch)
 
 # Which package provides each PJRT platform, for the error a user sees when it is missing.
 _PLUGINS = {
