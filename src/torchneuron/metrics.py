@@ -21,6 +21,8 @@ class _Registry:
         self.executables_compiled = 0
         self.compile_seconds = 0.0
         self.cache_hits = 0
+        self.eager_compiles = Counter()    # why an eager op needed a new executable -> compiles
+        self.eager_cache_loads = 0         # eager executables loaded from the persistent cache
         self.op_calls = Counter()          # ATen overload -> eager kernel calls
         self.fallbacks = Counter()         # ATen overload -> CPU fallback runs
         self.decompositions = Counter()    # ATen overload -> decomposition runs

@@ -17,6 +17,7 @@ from ..ops.signature import cast, cast_and_broadcast, read_input
 from ..runtime import layout, memory, transfers
 from ..runtime.device import device_mismatch_error
 from ..runtime.dtypes import device_dtype, jax_dtype
+from ..runtime.values import offset_array
 from .custom_kernels import run_auto_functionalized
 from .errors import NodeFailure, meta_of
 from .outputs import static_value
@@ -65,7 +66,14 @@ def call_signature(args):
                     slot = slots[addr] = len(bufs)
                     bufs.append(memory.empty_buffer(rec))  # also runs a pending adaptive region
                     addrs.append(addr)
-                specs.append((a.dtype, tuple(a.shape), a.stride(), a.storage_offset(), slot, rec.numel))
+                # The storage offset is a runtime input (one executable for every x[i]), except
+                # for a view that starts its storage and spans all of it.
+                offset = a.storage_offset()
+                if offset == 0 and a.nbytes == rec.nbytes:
+                    specs.append((a.dtype, tuple(a.shape), a.stride(), 0, slot, rec.numel))
+                else:
+                    runtime.append(offset_array(offset))
+                    specs.append((a.dtype, tuple(a.shape), a.stride(), None, slot, rec.numel))
             elif dev == "cpu":
                 host = transfers.host_array(a)      # uploaded by the call: counted as a copy
                 metrics.h2d_copies += 1
@@ -106,12 +114,15 @@ class Interpreter:
         bufs = flat[: self.nbufs]
         rt = iter(flat[self.nbufs:])
         env = {}
-        # Flat storage buffers of device inputs, for as_strided (which indexes the whole storage).
+        # Flat storage buffers of device inputs, for as_strided (which indexes the whole storage),
+        # and the storage offsets that are runtime inputs.
         self.storages = {}
+        offsets = []
         for ph, spec in zip(p.placeholders, self.specs):
-            env[ph] = read_input(spec, bufs, rt)
+            env[ph], offset = read_input(spec, bufs, rt)
+            offsets.append(offset)
             if isinstance(spec, tuple) and len(spec) >= 5 and isinstance(spec[0], torch.dtype):
-                self.storages[ph] = (bufs[spec[4]], spec[0])
+                self.storages[ph] = (bufs[spec[4]], spec[0], None if spec[3] is not None else offset)
         for node, value in p.constants.items():
             env[node] = jnp.asarray(value)
         base_key = None
@@ -149,10 +160,10 @@ class Interpreter:
             if spec[0] == "host":
                 host_writes.append((i, cast(value, spec[1])))
                 continue
-            dtype, sizes, strides, offset, slot, _ = spec
+            dtype, sizes, strides, _, slot, _ = spec
             base = new_bufs.get(slot, bufs[slot])
             value = cast_and_broadcast(value, dtype, sizes)
-            new_bufs[slot] = layout.write(base, value, jax_dtype(dtype), sizes, strides, offset)
+            new_bufs[slot] = layout.write(base, value, jax_dtype(dtype), sizes, strides, offsets[i])
         self.writes = tuple(new_bufs)
         self.host_writes = tuple(i for i, _ in host_writes)
         return (tuple(outputs) + tuple(host) + tuple(new_bufs[s] for s in self.writes)
@@ -181,9 +192,11 @@ class Interpreter:
         metas = [meta_of(v) for v in values]
         arrays = [_lookup(v, env) for v in values]
         if sig.name == "aten::as_strided":
-            arrays[0] = self._storage_of(values[0], arrays[0])
+            arrays[0], shift = self._storage_of(values[0], arrays[0])
             if len(arrays) < 4 or arrays[3] is None:   # as_strided keeps its input's storage offset
                 arrays[3:] = [metas[0].storage_offset()]
+            if shift is not None:
+                arrays[3] = arrays[3] + shift
         if kind == "index_put" and any(i is not None and i.dtype == jnp.bool_ for i in arrays[1]):
             env[node] = _bool_mask_index_put(arrays[0], arrays[1], arrays[2], bool(arrays[3]),
                                              node.meta["val"].dtype)
@@ -226,12 +239,17 @@ class Interpreter:
         return results
 
     def _storage_of(self, node, value):
-        """as_strided indexes the storage: a graph input's whole storage buffer when its element type
-        is the input's; otherwise the input written into a storage of its storage's size."""
+        """(storage, offset shift) for as_strided, which indexes the storage: a graph input's whole
+        storage buffer when its element type is the input's; otherwise the input written into a
+        storage of its storage's size. The graph's offsets are those of the traced (fake) input: for
+        an input whose offset is a runtime value, the shift moves them to this call's offset."""
         stored = self.storages.get(node)
         if stored is not None and jax_dtype(stored[1]) == stored[0].dtype:
-            return stored[0]
-        return _rebuilt_storage(node, value)
+            runtime_offset = stored[2]
+            if runtime_offset is None:
+                return stored[0], None
+            return stored[0], runtime_offset - meta_of(node).storage_offset()
+        return _rebuilt_storage(node, value), None
 
 
 def _apply(sig, values, arrays, metas, out_meta, key):

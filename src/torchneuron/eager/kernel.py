@@ -18,12 +18,10 @@ the cache key and the executable.
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -43,27 +41,24 @@ from ..ops.signature import (
 from ..runtime import layout, memory, pjrt, rng
 from ..runtime.device import current_device, device_mismatch_error
 from ..runtime.dtypes import device_dtype, jax_dtype, torch_dtype
+from ..runtime.values import offset_array, scalar_array
 
 _records = memory.allocator.records
 
 
-def _freeze(v):
-    if isinstance(v, list | tuple):
-        return tuple(_freeze(x) for x in v)
-    if isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
-        raise TypeError("torchneuron: symbolic sizes are not supported in eager mode")
-    return v
-
-
 class Executable:
-    __slots__ = ("traced", "call", "out_specs", "writes", "op_name")
+    __slots__ = ("traced", "call", "out_specs", "outputs", "writes", "op_name", "key", "reason")
 
-    def __init__(self, traced, out_specs, writes, op_name):
-        self.traced = traced          # the pure function of (buffers..., runtime scalars...)
-        self.call = None              # its jitted form, made on the first plain-eager call
+    def __init__(self, traced, out_specs, writes, op_name, key=None, reason=None):
+        self.traced = traced          # the pure function of (buffers..., runtime values...)
+        self.call = None              # its compiled form, made on the first plain-eager call
         self.out_specs = out_specs    # per new output: (torch dtype, sizes, strides) or None
+        # The same, as layouts the allocator wraps results in without recomputing anything.
+        self.outputs = tuple(None if spec is None else memory.output_layout(*spec) for spec in out_specs)
         self.writes = writes          # buffer slots written (returned after the new outputs)
         self.op_name = op_name
+        self.key = key                # the cache key (what decides this program)
+        self.reason = reason          # why it was needed: "new op", "new shape", ...
 
 
 # The adaptive-eager recorder while that mode is on (see eager/adaptive.py), else None.
@@ -78,73 +73,99 @@ def cache_size() -> int:
 
 
 def clear_cache() -> None:
+    """Forget every eager executable of this process (the persistent cache on disk stays)."""
     _cache.clear()
+    for k in Kernel.instances:
+        k.keys.clear()
+
+
+# Static arguments whose schema type admits only hashable values that compare equal exactly when
+# they mean the same thing: compiled in as they are. Everything else is frozen (``_freeze``).
+_PLAIN_STATIC = frozenset({"int", "bool", "str", "ScalarType", "Layout", "Device", "MemoryFormat",
+                           "Optional[int]", "Optional[bool]", "Optional[str]", "Optional[ScalarType]",
+                           "Optional[Layout]", "Optional[Device]", "Optional[MemoryFormat]"})
 
 
 class Kernel(OpSignature):
     """The PrivateUse1 kernel of one ATen overload: its signature plus a cache of executables."""
 
+    instances: list = []
+
+    def __init__(self, overload, lowering, functional=None):
+        super().__init__(overload, lowering, functional)
+        self.nargs = len(self.defaults)
+        # (argument index, kind) of each executable input, in key order.
+        self.inputs = tuple((i, self.kinds[i]) for i in self.dynamic)
+        args = overload._schema.arguments
+        # (argument index, needs _freeze) of each compiled-in argument.
+        self.statics = tuple((i, str(args[i].type) not in _PLAIN_STATIC) for i in self.static)
+        self.keys = []     # this kernel's cache keys, for the reason of the next compile
+        Kernel.instances.append(self)
+
     # -- the hot path ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         metrics.op_calls[self.short_name] += 1
-        # OpSignature.bind, inlined: a method call here would cost every op.
         values = list(args)
-        n = len(values)
-        if n < len(self.defaults):
-            values.extend(self.defaults[n:])
+        if len(values) < self.nargs:
+            values.extend(self.defaults[len(values):])
         if kwargs:
             index_of = self.index_of
-            for k, v in kwargs.items():
-                values[index_of[k]] = v
-        bufs, addrs, slots, runtime, specs = [], [], {}, [], []
-        ctx = _KeyContext(bufs, addrs, slots, runtime)
-        kinds = self.kinds
-        for i in self.dynamic:
+            for name, v in kwargs.items():
+                values[index_of[name]] = v
+        ctx = _KeyContext()
+        specs = []
+        for i, kind in self.inputs:
             v = values[i]
-            kind = kinds[i]
             if kind == TENSOR:
                 specs.append(ctx.tensor(v))
             elif kind == SCALAR:
                 specs.append(ctx.scalar(v))
-            elif kind == OPT_TENSOR or kind == OPT_SCALAR:
-                specs.append(None if v is None else ctx.tensor(v) if kind == OPT_TENSOR else ctx.scalar(v))
+            elif v is None:
+                specs.append(None)
+            elif kind == OPT_TENSOR:
+                specs.append(ctx.tensor(v))
+            elif kind == OPT_SCALAR:
+                specs.append(ctx.scalar(v))
             else:
-                specs.append(tuple(None if t is None else ctx.tensor(t) for t in v))
-        statics = tuple(_freeze(values[i]) for i in self.static)
-        random = self.lowering.random
-        if random:
-            gen = None if self.generator_index is None else values[self.generator_index]
-            state = rng.state_of(gen, ctx.device_index if ctx.device_index is not None else current_device())
-            runtime.extend(state.next_key_inputs())
+                specs.append(tuple([None if t is None else ctx.tensor(t) for t in v]))
+        statics = tuple([_freeze(values[i]) if frozen else values[i] for i, frozen in self.statics])
         if ctx.device_index is None:   # no tensor inputs (factories): the device argument decides
             ctx.device_index = self.output_device(values)
-        key = (self, tuple(specs), statics, tuple(ctx.storages), ctx.device_index)
+        if self.lowering.random:   # the generator argument, else the device's default generator
+            gen = None if self.generator_index is None else values[self.generator_index]
+            ctx.runtime.extend(rng.state_of(gen, ctx.device_index).next_key_inputs())
+        # Everything that decides the program (see docs/performance.md): inputs' dtypes, sizes,
+        # strides and storages, scalar types, compiled-in arguments, the device, and the default
+        # dtype (the result dtype of integer inputs with float scalars, of factories...).
+        key = (self, tuple(specs), statics, tuple(ctx.storages), ctx.device_index, torch.get_default_dtype())
         exe = _cache.get(key)
         if exe is None:
-            exe = _cache[key] = self._plan(values, specs, ctx)
+            exe = self._miss(key, values, specs, ctx)
         if recorder is not None:   # adaptive eager: record now, run fused at the next sync point
             return recorder.record(self, exe, values, ctx)
         if exe.call is None:
-            results = self._first_call(exe, bufs, runtime, values, ctx.device_index)
+            results = self._first_call(exe, ctx.bufs, ctx.runtime, values, ctx.device_index)
         else:
             metrics.cache_hits += 1
-            results = exe.call(*bufs, *runtime)
-        return self._finish(exe, results, values, addrs, ctx)
+            results = exe.call(*ctx.bufs, *ctx.runtime)
+        return self._finish(exe, results, values, ctx)
 
-    def _finish(self, exe, results, values, addrs, ctx):
-        device_index = ctx.device_index if ctx.device_index is not None else self.output_device(values)
+    def _finish(self, exe, results, values, ctx):
+        device_index = ctx.device_index
+        new_output = memory.allocator.new_output
         outs = []
         k = 0
-        for spec in exe.out_specs:
-            if spec is None:
+        for out in exe.outputs:
+            if out is None:
                 outs.append(None)
                 continue
-            dtype, sizes, strides = spec
-            outs.append(memory.new_buffer_tensor(results[k], dtype, device_index, sizes, strides))
+            outs.append(new_output(out, results[k], device_index))
             k += 1
-        for slot in exe.writes:
-            _records[addrs[slot]].buf = results[k]
-            k += 1
+        if exe.writes:
+            addrs = ctx.addrs
+            for slot in exe.writes:
+                _records[addrs[slot]].buf = results[k]
+                k += 1
         return self.returned(outs, values)
 
     def output_device(self, values) -> int:
@@ -157,7 +178,14 @@ class Kernel(OpSignature):
                 return dev.index
         return current_device()
 
-    # -- compile on a miss ----------------------------------------------------------------------
+    # -- a new key ------------------------------------------------------------------------------
+    def _miss(self, key, values, specs, ctx):
+        exe = self._plan(values, specs, ctx)
+        exe.key, exe.reason = key, compile_reason(key, self.keys)
+        _cache[key] = exe
+        self.keys.append(key)
+        return exe
+
     def _plan(self, values, specs, ctx):
         """Shapes, dtypes and the traced body of this call's executable (not compiled yet)."""
         meta_out = self._run_meta(values)
@@ -172,14 +200,32 @@ class Kernel(OpSignature):
             if not layout.is_dense(sizes, strides):
                 strides = memory.contiguous_strides(sizes)
             out_specs.append((dtype, sizes, strides))
-        # Buffers written by this op, and the view of each mutated argument.
-        write_targets = [_view_spec(t, ctx) for _, _, t in self.mutated_tensors(values)]
-        writes = tuple(dict.fromkeys(slot for slot, _ in write_targets if slot is not None))
+        # Buffers written by this op: each mutated argument's view, by its position among the inputs.
+        positions = self._input_positions(specs)
+        write_targets = []
+        for i, pos, _ in self.mutated_tensors(values):
+            read = positions.get((i, pos))
+            if read is not None:
+                write_targets.append(read)
+        writes = tuple(dict.fromkeys(spec[4] for _, spec in write_targets))
         promote_dtype = None
         if self.promote_idx is not None:
             promote_dtype = self.promotion_dtype(values, new_meta)
         traced = _Traced(self, specs, values, out_specs, write_targets, writes, promote_dtype, ctx)
         return Executable(traced, out_specs, writes, self.short_name)
+
+    def _input_positions(self, specs):
+        """(argument index, position in its list) -> (read position, view spec) of each input that
+        is a view of a storage buffer; the read position counts every input spec in key order."""
+        found = {}
+        n = 0
+        for (i, kind), spec in zip(self.inputs, specs):
+            items = spec if kind in (TENSOR_LIST, OPT_TENSOR_LIST) and spec is not None else (spec,)
+            for pos, s in enumerate(items):
+                if is_view_spec(s):
+                    found[(i, pos)] = (n, s)
+                n += 1
+        return found
 
     def _first_call(self, exe, bufs, runtime, values, device_index):
         traced = exe.traced
@@ -205,6 +251,7 @@ class Kernel(OpSignature):
             raise error from err
         metrics.compile_seconds += time.perf_counter() - start
         metrics.executables_compiled += 1
+        metrics.eager_compiles[exe.reason] += 1
         exe.call = jitted
         return results
 
@@ -255,28 +302,76 @@ class Kernel(OpSignature):
         return tuple(metas) if len(metas) > 1 else metas[0]
 
 
+def _freeze(v):
+    """A compiled-in argument as a key part that is equal only for arguments meaning the same
+    program: Python's ``6 == 6.0 == True`` and ``0.0 == -0.0`` would otherwise share an entry,
+    and a NaN would never find its own."""
+    cls = v.__class__
+    if cls is int or v is None:
+        return v
+    if cls is list or cls is tuple:
+        for x in v:
+            if x.__class__ is not int:
+                return tuple([_freeze(x) for x in v])
+        return tuple(v)
+    if cls is float:
+        return (float, v.hex())
+    if cls is bool:
+        return (bool, v)
+    if cls is complex:
+        return (complex, v.real.hex(), v.imag.hex())
+    if isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
+        raise TypeError("torchneuron: symbolic sizes are not supported in eager mode")
+    return v
+
+
+def is_view_spec(spec) -> bool:
+    """The spec describes a view of a storage buffer (not a scalar, an empty tensor, None...)."""
+    return spec.__class__ is tuple and len(spec) == 5 and spec[0].__class__ is torch.dtype
+
+
 class _KeyContext:
-    """Collects the buffers, runtime scalars and device of one call while its key is built."""
+    """Collects the buffers, runtime values and device of one call while its key is built."""
 
     __slots__ = ("bufs", "addrs", "slots", "runtime", "device_index", "storages")
 
-    def __init__(self, bufs, addrs, slots, runtime):
-        self.bufs, self.addrs, self.slots, self.runtime = bufs, addrs, slots, runtime
+    def __init__(self):
+        self.bufs = []       # flat buffer of each storage the inputs live on, in slot order
+        self.addrs = []      # and its address
+        self.slots = {}      # address -> slot
+        self.runtime = []    # runtime inputs: scalars, view offsets, 0-d CPU tensors, RNG seeds
         self.device_index = None
         # (numel, dtype) of each storage buffer: executables are compiled for exact buffer avals,
         # and two views with equal layouts can sit on storages of different sizes.
         self.storages = []
 
     def tensor(self, t):
+        """The key part of one tensor argument: (dtype, sizes, strides, offset, buffer slot), where
+        offset is 0 for a view that starts its storage and spans all of it, else None (a runtime
+        input: ``x[i]`` and ``x[j]`` share an executable)."""
         try:
-            addr = t.untyped_storage().data_ptr()
+            addr = t.data_ptr()
         except AttributeError:
             # The dispatcher hands "wrapped numbers" (x * 2) to Python kernels as plain scalars.
             self.runtime.append(scalar_array(t))
-            return type(t)
+            return t.__class__
         rec = _records.get(addr)
-        if rec is None:
-            return self._unusual_tensor(t)
+        if rec is not None:               # data_ptr() is a storage's start: offset 0
+            nbytes = t.nbytes
+            if nbytes == rec.nbytes:
+                offset = 0
+            elif nbytes == 0:
+                return ("empty", t.dtype, tuple(t.shape))
+            else:
+                offset = None
+                self.runtime.append(offset_array(0))
+        else:
+            addr = t.untyped_storage().data_ptr()
+            rec = _records.get(addr)
+            if rec is None or t.nbytes == 0:
+                return self._unusual_tensor(t)
+            offset = None
+            self.runtime.append(offset_array(t.storage_offset()))
         if self.device_index is None:
             self.device_index = rec.device_index
         elif rec.device_index != self.device_index:
@@ -284,10 +379,11 @@ class _KeyContext:
         slot = self.slots.get(addr)
         if slot is None:
             slot = self.slots[addr] = len(self.bufs)
-            self.bufs.append(rec.buf if rec.buf is not None else memory.empty_buffer(rec))
+            buf = rec.buf
+            self.bufs.append(buf if buf is not None else memory.empty_buffer(rec))
             self.addrs.append(addr)
             self.storages.append((rec.numel, rec.dtype))
-        return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), slot)
+        return (t.dtype, t.shape, t.stride(), offset, slot)
 
     def _unusual_tensor(self, t):
         if t.device.type == "neuron":
@@ -304,46 +400,43 @@ class _KeyContext:
         if isinstance(v, torch.Tensor):
             return self.tensor(v)
         self.runtime.append(scalar_array(v))
-        return type(v)
+        return v.__class__
 
 
-_scalar_arrays: dict = {}
+# -- why a compile happened ------------------------------------------------------------------------
+def _key_parts(key):
+    """The parts of a cache key a compile reason names, each comparable on its own."""
+    kernel, specs, statics, storages, device, default_dtype = key
+    dtypes, shapes, layouts = [], [], []
+    for (_, kind), spec in zip(kernel.inputs, specs):
+        items = spec if kind in (TENSOR_LIST, OPT_TENSOR_LIST) and spec is not None else (spec,)
+        for s in items:
+            if is_view_spec(s):
+                dtypes.append(s[0])
+                shapes.append(tuple(s[1]))
+                layouts.append((s[2], s[3], s[4]))
+            elif isinstance(s, tuple):       # ("empty", dtype, sizes), ("cpu-scalar", dtype)
+                dtypes.append(s[:2])
+                shapes.append(s[2:])
+            else:                            # a scalar's Python type, or None
+                dtypes.append(s)
+    return {"dtype": dtypes, "shape": shapes, "layout": (layouts, storages), "arguments": statics,
+            "device": device, "default dtype": default_dtype}
 
 
-def scalar_array(v):
-    """A Python scalar as a (weakly typed) device array, cached by value: jit dispatch converts a
-    Python number on every call, while an existing array goes straight through."""
-    key = (v.__class__, v, v.__class__ is float and math.copysign(1.0, v) < 0)
-    arr = _scalar_arrays.get(key)
-    if arr is None:
-        if v != v or len(_scalar_arrays) > 4096:  # NaN never hits a dict; keep the cache bounded
-            return v
-        arr = _scalar_arrays[key] = _weak_scalar(v)
-    return arr
-
-
-# What jnp.asarray makes of each Python scalar type (x64 mode): (numpy dtype, weakly typed).
-_SCALAR_TYPES = {bool: (np.bool_, False), int: (np.int64, True), float: (np.float64, True),
-                 complex: (np.complex128, True)}
-
-
-def _weak_scalar(v):
-    """``jnp.asarray(v)`` in a quarter of the time: a new runtime scalar per step (an optimizer's
-    bias corrections) would otherwise cost ~60 us each."""
-    kind = _SCALAR_TYPES.get(v.__class__)
-    if kind is None:
-        return jnp.asarray(v)
-    try:
-        host = np.asarray(v, dtype=kind[0])
-    except OverflowError:
-        return jnp.asarray(v)   # raises JAX's own error for an int beyond int64
-    return pjrt.put(host, 0, weak=kind[1], committed=False)
-
-
-def _view_spec(t, ctx):
-    """(buffer slot, view layout) of a mutated tensor; slot None for tensors with no elements."""
-    slot = ctx.slots.get(t.untyped_storage().data_ptr()) if t.numel() else None
-    return slot, (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+def compile_reason(key, previous) -> str:
+    """Why ``key`` needs an executable, next to the keys an op already has: "new op", or what
+    differs from the closest earlier key ("new shape", "new dtype", "new layout", ...)."""
+    if not previous:
+        return "new op"
+    parts = _key_parts(key)
+    best = None
+    for old in previous[-64:]:
+        old_parts = _key_parts(old)
+        differs = [name for name, value in parts.items() if old_parts[name] != value]
+        if best is None or len(differs) < len(best):
+            best = differs
+    return "new " + (" and ".join(best) if best else "entry")
 
 
 class _Traced:
@@ -352,13 +445,15 @@ class _Traced:
     def __init__(self, kernel, specs, values, out_specs, write_targets, writes, promote_dtype, ctx):
         self.kernel = kernel
         self.specs = specs
+        # (argument index, is a list) of each input, in key order.
+        self.reads = [(i, kind in (TENSOR_LIST, OPT_TENSOR_LIST)) for i, kind in kernel.inputs]
         # Only static arguments are kept: the cache entry must not keep the first call's tensors
         # (and their device memory) alive.
         dynamic = set(kernel.dynamic)
         dynamic.add(kernel.generator_index)
         self.values = [None if i in dynamic else v for i, v in enumerate(values)]
         self.out_specs = out_specs
-        self.write_targets = write_targets
+        self.write_targets = write_targets   # (read position, view spec) of each mutated input
         self.writes = writes
         self.promote_dtype = promote_dtype
         self.nbufs = len(ctx.bufs)
@@ -371,11 +466,18 @@ class _Traced:
         runtime = list(flat[self.nbufs:])
         rt = iter(runtime)
         values = list(self.values)
-        for i, spec in zip(k.dynamic, self.specs):
-            if k.kinds[i] in (TENSOR_LIST, OPT_TENSOR_LIST):
-                values[i] = [read_input(s, bufs, rt) for s in spec]
+        offsets = []     # each input's storage offset (static or traced), in reading order
+        for (i, is_list), spec in zip(self.reads, self.specs):
+            if is_list and spec is not None:
+                items = []
+                for s in spec:
+                    value, offset = read_input(s, bufs, rt)
+                    items.append(value)
+                    offsets.append(offset)
+                values[i] = items
             else:
-                values[i] = read_input(spec, bufs, rt)
+                values[i], offset = read_input(spec, bufs, rt)
+                offsets.append(offset)
         key = None
         if k.lowering.random:
             seed, offset = runtime[-2], runtime[-1]
@@ -389,12 +491,12 @@ class _Traced:
             dtype, sizes, strides = spec
             outputs.append(layout.to_layout(k.fit_output(value, dtype, sizes), sizes, strides))
         new_bufs = {}
-        for (slot, (dtype, sizes, strides, offset)), value in zip(self.write_targets, mutated_vals):
-            if value is None or slot is None:
+        for (n, (dtype, sizes, strides, _, slot)), value in zip(self.write_targets, mutated_vals):
+            if value is None:
                 continue
             base = new_bufs.get(slot, bufs[slot])
             value = cast_and_broadcast(value, dtype, sizes)
-            new_bufs[slot] = layout.write(base, value, jax_dtype(dtype), sizes, strides, offset)
+            new_bufs[slot] = layout.write(base, value, jax_dtype(dtype), sizes, strides, offsets[n])
         written = [new_bufs.get(slot, bufs[slot]) for slot in self.writes]
         return tuple(outputs) + tuple(written)
 

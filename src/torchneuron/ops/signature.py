@@ -371,25 +371,29 @@ def cast(value, dtype):
 
 # -- executable inputs ----------------------------------------------------------------------------
 # An executable receives the flat buffers of the storages its inputs live on, then runtime values
-# (Scalars, 0-d CPU tensors, host inputs, RNG seeds). Each input is described by a spec: a view
-# (dtype, sizes, strides, storage offset, buffer slot, ...), a Python type (a runtime scalar),
-# ("empty", dtype, sizes), ("cpu-scalar", dtype) / ("host", dtype, sizes) (a runtime value),
-# ("int", value) / ("const", value) (compiled in), or None.
+# (Scalars, view offsets, 0-d CPU tensors, host inputs, RNG seeds). Each input is described by a
+# spec: a view (dtype, sizes, strides, storage offset, buffer slot, ...) whose offset is an int
+# (compiled in) or None (the next runtime value), a Python type (a runtime scalar), ("empty", dtype,
+# sizes), ("cpu-scalar", dtype) / ("host", dtype, sizes) (a runtime value), ("int", value) /
+# ("const", value) (compiled in), or None.
 def read_input(spec, bufs, runtime):
-    """The value of one input inside the traced executable (``runtime`` is an iterator)."""
+    """(value, storage offset) of one input inside the traced executable (``runtime`` is an
+    iterator); the offset, static or traced, is None for inputs that are not views."""
     if spec is None:
-        return None
+        return None, None
     if isinstance(spec, type):
-        return next(runtime)
+        return next(runtime), None
     tag = spec[0]
     if tag == "empty":
-        return jnp.zeros(spec[2], dtype=jax_dtype(spec[1]))
+        return jnp.zeros(spec[2], dtype=jax_dtype(spec[1])), None
     if tag == "cpu-scalar" or tag == "host":
-        return next(runtime)
+        return next(runtime), None
     if tag == "int" or tag == "const":
-        return spec[1]
+        return spec[1], None
     dtype, sizes, strides, offset, slot = spec[:5]
-    return layout.read(bufs[slot], jax_dtype(dtype), sizes, strides, offset)
+    if offset is None:
+        offset = next(runtime)
+    return layout.read(bufs[slot], jax_dtype(dtype), sizes, strides, offset), offset
 
 
 # -- signatures for graphs ------------------------------------------------------------------------

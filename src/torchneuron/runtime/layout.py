@@ -2,8 +2,12 @@
 
 A neuron storage is one flat buffer; a tensor is (sizes, strides, offset) over it. These pure
 functions turn a buffer into a tensor's logical array (read) and put a logical array back into
-the buffer (write). They run at trace time, so the layout is static and each case compiles to the
-cheapest XLA form: slice+reshape, transpose, broadcast, padded strided slice, or a gather/scatter.
+the buffer (write). They run at trace time, so sizes and strides are static and each case compiles
+to the cheapest XLA form: slice+reshape, transpose, broadcast, padded strided slice, or a
+gather/scatter. The offset is either a Python int (compiled in) or a traced integer scalar (a
+runtime input: one executable serves ``x[i]`` for every ``i``); PyTorch guarantees every element
+of a view lies inside its storage, which is what lets a dynamic slice start anywhere without
+clamping.
 """
 
 from __future__ import annotations
@@ -52,13 +56,30 @@ def reinterpret(buf, dtype):
     return lax.bitcast_convert_type(buf[:usable].reshape(-1, ratio), dtype)
 
 
-def _gather_indices(sizes, strides, offset) -> np.ndarray:
-    idx = np.full(tuple(sizes), offset, dtype=np.int64)
+def _gather_indices(sizes, strides, offset):
+    """Flat buffer index of every element of the view (a constant plus a traced offset)."""
+    idx = np.zeros(tuple(sizes), dtype=np.int64)
     for dim, (size, stride) in enumerate(zip(sizes, strides)):
         shape = [1] * len(sizes)
         shape[dim] = size
         idx = idx + (np.arange(size, dtype=np.int64) * stride).reshape(shape)
-    return idx
+    if isinstance(offset, int):
+        return idx + offset
+    return idx + offset.astype(np.int64)
+
+
+def extent(sizes, strides) -> int:
+    """Elements from a view's first to its last element, both included (views without elements: 0)."""
+    if any(s == 0 for s in sizes):
+        return 0
+    return 1 + sum((s - 1) * st for s, st in zip(sizes, strides))
+
+
+def _slice(flat, offset, length):
+    """``flat[offset:offset + length]`` for a static or traced ``offset``."""
+    if isinstance(offset, int):
+        return lax.slice(flat, (offset,), (offset + length,))
+    return lax.dynamic_slice(flat, (offset,), (length,))
 
 
 def read(buf, dtype, sizes, strides, offset):
@@ -69,9 +90,9 @@ def read(buf, dtype, sizes, strides, offset):
     if numel == 0:
         return jnp.zeros(sizes, dtype=flat.dtype)
     if is_contiguous(sizes, strides):
-        if offset == 0 and numel == flat.shape[0]:
+        if numel == flat.shape[0]:   # a dense view of the whole storage starts at 0
             return flat.reshape(sizes)
-        return lax.slice(flat, (offset,), (offset + numel,)).reshape(sizes)
+        return _slice(flat, offset, numel).reshape(sizes)
     # Broadcast (stride 0) and size-1 dims cost nothing: read the rest, then expand.
     kept = [d for d in range(len(sizes)) if sizes[d] != 1 and strides[d] != 0]
     order = sorted(kept, key=lambda d: -strides[d])
@@ -88,20 +109,24 @@ def read(buf, dtype, sizes, strides, offset):
 def _read_core(flat, sizes, strides, offset):
     """Dims already sorted by decreasing stride, none of size 1 or stride 0."""
     if not sizes:
-        return lax.slice(flat, (offset,), (offset + 1,)).reshape(())
+        return _slice(flat, offset, 1).reshape(())
     if is_contiguous(sizes, strides):
-        numel = math.prod(sizes)
-        return lax.slice(flat, (offset,), (offset + numel,)).reshape(sizes)
+        return _slice(flat, offset, math.prod(sizes)).reshape(sizes)
     nested = all(strides[i] % strides[i + 1] == 0 and sizes[i + 1] * strides[i + 1] <= strides[i]
                  for i in range(len(sizes) - 1))
     if nested:
-        # Cut the region into a dense block whose dims are the stride ratios, then slice it.
+        # Cut the region into a dense block whose dims are the stride ratios, then slice it. The
+        # block runs past the view's last element by a fixed amount: pad by that much (a static
+        # offset needs padding only where the block passes the buffer's end).
         length = sizes[0] * strides[0]
-        end = offset + length
-        if end > flat.shape[0]:
-            flat = jnp.pad(flat, (0, end - flat.shape[0]))
+        if isinstance(offset, int):
+            pad = max(0, offset + length - flat.shape[0])
+        else:
+            pad = length - extent(sizes, strides)
+        if pad:
+            flat = jnp.pad(flat, (0, pad))
         block_shape = [sizes[0]] + [strides[i] // strides[i + 1] for i in range(len(sizes) - 1)] + [strides[-1]]
-        block = lax.slice(flat, (offset,), (end,)).reshape(block_shape)
+        block = _slice(flat, offset, length).reshape(block_shape)
         limits = list(sizes) + [1]
         return lax.slice(block, [0] * len(block_shape), limits).reshape(sizes)
     return flat[_gather_indices(sizes, strides, offset)]
@@ -121,7 +146,7 @@ def write(buf, value, dtype, sizes, strides, offset):
         updated = write(typed, value, target_dtype, sizes, strides, offset)
         return reinterpret(updated, buf.dtype)[: buf.shape[0]]
     if is_contiguous(sizes, strides):
-        if offset == 0 and numel == buf.shape[0]:
+        if numel == buf.shape[0]:   # a dense view of the whole storage starts at 0
             return value.reshape(-1)
         return lax.dynamic_update_slice(buf, value.reshape(-1), (offset,))
     kept = [d for d in range(len(sizes)) if sizes[d] != 1]

@@ -11,9 +11,7 @@ alive exactly as long as the storage) fires when PyTorch frees the storage, whic
 
 from __future__ import annotations
 
-import collections
 import ctypes
-import itertools
 import struct
 import threading
 import weakref
@@ -82,23 +80,86 @@ class StorageRecord:
 
 
 class _StorageWatch(weakref.ref):
-    """A weakref on a neuron storage's Python object that carries the storage's address and the
-    DLPack header PyTorch was handed (one object per storage: no closure, no tuple)."""
+    """A weakref on a neuron storage's Python object that carries the storage's address (one object
+    per storage: no closure, no tuple)."""
 
-    __slots__ = ("addr", "header")
+    __slots__ = ("addr",)
+
+
+# DLPack headers are written into a per-thread scratch buffer that is never freed. PyTorch copies
+# the sizes and strides when it imports a capsule, and afterwards reads only the header's deleter
+# field, when the storage dies: that field is always 0 (no deleter) in every header written here, so
+# reusing the scratch for the next tensor is safe. Thread-local, because importing a capsule can run
+# Python code (the device guard) where another thread may take over; never freed, because a storage
+# may outlive the thread that made it.
+_HDR = struct.Struct(_HEADER_FMT)
+_scratch_tls = threading.local()
+_scratches: list = []
+_MAX_DIMS = 64
+
+
+def _scratch():
+    """(ctypes buffer, its address) of this thread's header scratch: a header, then room for
+    ``_MAX_DIMS`` sizes and strides."""
+    scratch = getattr(_scratch_tls, "buf", None)
+    if scratch is None:
+        raw = ctypes.create_string_buffer(_HEADER + 16 * _MAX_DIMS)
+        _scratches.append(raw)
+        scratch = _scratch_tls.buf = (raw, ctypes.addressof(raw))
+    return scratch
+
+
+_dims_structs: dict = {}
+
+
+def _dims_struct(nd: int) -> struct.Struct:
+    st = _dims_structs.get(nd)
+    if st is None:
+        st = _dims_structs[nd] = struct.Struct(f"={2 * nd}q")
+    return st
+
+
+class OutputLayout:
+    """A dense layout whose tensors an executable makes again and again: its DLPack fields are
+    worked out once (sizes and strides live in an array of their own, which the header points at)."""
+
+    __slots__ = ("dtype", "sizes", "strides", "nbytes", "nd", "code", "bits", "dims", "dims_ptr")
+
+    def __init__(self, dtype: torch.dtype, sizes, strides):
+        self.dtype = dtype
+        self.sizes, self.strides = tuple(sizes), tuple(strides)
+        extent = 0 if any(s == 0 for s in sizes) else 1 + sum((s - 1) * st for s, st in zip(sizes, strides))
+        self.nbytes = extent * dtype.itemsize
+        self.nd = len(self.sizes)
+        self.code, self.bits = _DL_CODES[dtype]
+        self.dims = (ctypes.c_int64 * max(2 * self.nd, 1))(*self.sizes, *self.strides)
+        self.dims_ptr = ctypes.addressof(self.dims)
+
+
+_layouts: dict = {}
+
+
+def output_layout(dtype: torch.dtype, sizes, strides) -> OutputLayout:
+    """The shared ``OutputLayout`` of a dense layout."""
+    key = (dtype, tuple(sizes), tuple(strides))
+    found = _layouts.get(key)
+    if found is None:
+        if len(_layouts) > 4096:
+            _layouts.clear()
+        found = _layouts[key] = OutputLayout(dtype, sizes, strides)
+    return found
 
 
 class _Allocator:
-    # Handles live far above any user-space address so they never collide with CPU pointers.
+    # Handles live far above any user-space address so they never collide with CPU pointers. Each
+    # storage's range is at least one byte longer than the storage, so a view's data_ptr() (at most
+    # one past its storage's last byte) never equals another storage's handle: a data_ptr() found
+    # in ``records`` is the start of the tensor's own storage (storage offset 0).
     _BASE = 1 << 60
 
     def __init__(self):
         self.records: dict[int, StorageRecord] = {}
         self._watches: dict[int, _StorageWatch] = {}   # storage address -> its watch
-        # Headers of freed storages, kept a while longer: PyTorch may still read a header while it
-        # tears the storage down, after the watch has fired.
-        self._retired = collections.deque(maxlen=4096)
-        self._addresses = itertools.count()
         self._next = self._BASE
         self._lock = threading.Lock()
         self.allocated = {}   # device index -> bytes
@@ -109,7 +170,6 @@ class _Allocator:
     def _on_free(self, watch: _StorageWatch) -> None:
         """A storage is gone: drop its buffer and its bytes from the statistics."""
         try:
-            self._retired.append(watch.header)
             del self._watches[watch.addr]
             record = self.records.pop(watch.addr)
             self.allocated[record.device_index] -= record.nbytes
@@ -117,6 +177,39 @@ class _Allocator:
             record.buf = None
         except Exception:  # interpreter shutdown: the tables may already be gone
             pass
+
+    def _register(self, nbytes: int, dtype: torch.dtype, device_index: int, buf) -> int:
+        """A fresh handle for a storage of ``nbytes``, counted in the statistics."""
+        record = StorageRecord(nbytes, dtype, device_index, buf)
+        with self._lock:
+            addr = self._next
+            self._next += (nbytes + 64) & ~63
+            self.num_allocs += 1
+            used = self.allocated.get(device_index, 0) + nbytes
+            self.allocated[device_index] = used
+            if used > self.peak.get(device_index, 0):
+                self.peak[device_index] = used
+            self.records[addr] = record
+        return addr
+
+    def _watch(self, tensor: torch.Tensor, addr: int) -> torch.Tensor:
+        # No DLPack deleter (PyTorch accepts none): a ctypes callback into Python that runs while an
+        # exception propagates (a temporary freed during unwinding) turns that exception into a
+        # SystemError. PyTorch keeps a storage's Python object alive exactly as long as the storage,
+        # and weakref callbacks leave a pending exception intact, so a weakref watches it instead.
+        watch = _StorageWatch(tensor.untyped_storage(), self._on_free)
+        watch.addr = addr
+        self._watches[addr] = watch
+        return tensor
+
+    def new_output(self, out: OutputLayout, buf, device_index: int) -> torch.Tensor:
+        """A neuron tensor with a precomputed dense layout on a fresh storage holding ``buf``
+        (the per-op hot path: an executable's new outputs)."""
+        addr = self._register(out.nbytes, out.dtype, device_index, buf)
+        raw, base = _scratch()
+        _HDR.pack_into(raw, 0, addr, _KDL_EXT_DEV, device_index, out.nd, out.code, out.bits, 1,
+                       out.dims_ptr, out.dims_ptr + 8 * out.nd, 0, 0, 0)
+        return self._watch(_from_dlpack(_capsule_new(base, b"dltensor", None)), addr)
 
     def new_tensor(self, sizes, strides, dtype: torch.dtype, device_index: int, buf=None,
                    storage_nbytes: int | None = None) -> torch.Tensor:
@@ -128,31 +221,17 @@ class _Allocator:
         # DLPack sizes the storage from the layout; a storage larger than the layout needs is
         # made flat and then viewed with the requested layout.
         flat = storage_nbytes != extent * dtype.itemsize
-        dl_sizes = (storage_nbytes // dtype.itemsize,) if flat else sizes
-        dl_strides = (1,) if flat else strides
-        with self._lock:
-            addr = self._next
-            self._next += (max(storage_nbytes, 1) + 63) & ~63
-            self.num_allocs += 1
-            used = self.allocated.get(device_index, 0) + storage_nbytes
-            self.allocated[device_index] = used
-            if used > self.peak.get(device_index, 0):
-                self.peak[device_index] = used
-        self.records[addr] = StorageRecord(storage_nbytes, dtype, device_index, buf)
-        # One packed ctypes buffer holds the DLManagedTensor followed by its shape and strides.
+        dl_sizes = (storage_nbytes // dtype.itemsize,) if flat else tuple(sizes)
+        dl_strides = (1,) if flat else tuple(strides)
         nd = len(dl_sizes)
-        raw = ctypes.create_string_buffer(_HEADER + 16 * nd)
-        base = ctypes.addressof(raw)
-        # No DLPack deleter (PyTorch accepts none): a ctypes callback into Python that runs while an
-        # exception propagates (a temporary freed during unwinding) turns that exception into a
-        # SystemError. PyTorch keeps a storage's Python object alive exactly as long as the storage,
-        # and weakref callbacks leave a pending exception intact, so a weakref watches it instead.
-        struct.pack_into(_HEADER_FMT + f"{nd}q{nd}q", raw, 0, addr, _KDL_EXT_DEV, device_index, nd, code,
-                         bits, 1, base + _HEADER, base + _HEADER + 8 * nd, 0, 0, 0, *dl_sizes, *dl_strides)
-        tensor = _from_dlpack(_capsule_new(base, b"dltensor", None))
-        watch = _StorageWatch(tensor.untyped_storage(), self._on_free)
-        watch.addr, watch.header = addr, raw
-        self._watches[addr] = watch
+        if nd > _MAX_DIMS:
+            raise RuntimeError(f"torchneuron: tensors have at most {_MAX_DIMS} dimensions, got {nd}")
+        addr = self._register(storage_nbytes, dtype, device_index, buf)
+        raw, base = _scratch()
+        _HDR.pack_into(raw, 0, addr, _KDL_EXT_DEV, device_index, nd, code, bits, 1, base + _HEADER,
+                       base + _HEADER + 8 * nd, 0, 0, 0)
+        _dims_struct(nd).pack_into(raw, _HEADER, *dl_sizes, *dl_strides)
+        tensor = self._watch(_from_dlpack(_capsule_new(base, b"dltensor", None)), addr)
         if flat:
             tensor = _AS_STRIDED(_CPU_KEYS, tensor, list(sizes), list(strides), 0)
         return tensor
@@ -229,8 +308,11 @@ def new_buffer_tensor(buf, dtype: torch.dtype, device_index: int, sizes=None, st
         sizes = (int(buf.shape[0]),)
     if strides is None:
         strides = contiguous_strides(sizes)
-    return allocator.new_tensor(tuple(sizes), tuple(strides), dtype, device_index, buf=buf,
-                                storage_nbytes=int(buf.shape[0]) * dtype.itemsize)
+    nbytes = int(buf.shape[0]) * dtype.itemsize
+    out = output_layout(dtype, sizes, strides)
+    if out.nbytes == nbytes:
+        return allocator.new_output(out, buf, device_index)
+    return allocator.new_tensor(tuple(sizes), tuple(strides), dtype, device_index, buf=buf, storage_nbytes=nbytes)
 
 
 def contiguous_strides(sizes) -> tuple:
