@@ -61,3 +61,129 @@ def test_optimizer_learning_rate_schedule_compiles_nothing_new():
     for _ in range(4):
         step()
     assert compiled() == before
+
+
+# -- views: a storage offset is a runtime input, so loops over rows and windows compile a bounded
+# number of executables (a handful, not one per iteration), with values identical to CPU.
+def _compiles_during(fn, *args):
+    before = compiled()
+    result = fn(*args)
+    return compiled() - before, result
+
+
+def test_loop_over_rows_compiles_a_bounded_number():
+    x = torch.randn(64, 16)
+    w = torch.randn(16)
+    xn, wn = x.to("neuron"), w.to("neuron")
+
+    def loop(a, b):
+        total = torch.zeros(16, device=a.device)
+        for i in range(64):
+            total = total + a[i] * b
+        return total
+
+    n, got = _compiles_during(loop, xn, wn)
+    assert n <= 3, n          # zeros, mul, add: never one per row
+    torch.testing.assert_close(got.cpu(), loop(x, w))
+    n, _ = _compiles_during(loop, xn, wn)
+    assert n == 0
+
+
+def test_sliding_windows_compile_once_per_op():
+    x = torch.randn(64, 32)
+    xn = x.to("neuron")
+
+    def window_sum(t, r, c):
+        return (t[r:r + 32, c:c + 8] * 2).sum()
+
+    window_sum(xn, 0, 0)    # the first window compiles; every other one hits the cache
+    n = 0
+    for r in range(0, 33, 4):
+        for c in range(0, 25, 3):
+            k, got = _compiles_during(window_sum, xn, r, c)
+            n += k
+            torch.testing.assert_close(got.cpu(), window_sum(x, r, c))
+    assert n <= 2, n
+
+
+def test_select_narrow_slice_with_python_ints():
+    x = torch.randn(12, 10, 6)
+    xn = x.to("neuron")
+    ops = [lambda t, i: torch.select(t, 1, i).exp(), lambda t, i: t.narrow(0, i, 4).neg(),
+           lambda t, i: t[:, i:i + 3, 1::2].abs(), lambda t, i: t[i, :, i % 6].sin()]
+    for op in ops:
+        op(xn, 0)
+        op(xn, 1)
+        n = 0
+        for i in range(2, 8):
+            k, got = _compiles_during(op, xn, i)
+            n += k
+            torch.testing.assert_close(got.cpu(), op(x, i))
+        assert n == 0, (op, n)
+
+
+def test_writing_a_cache_row_by_row():
+    torch.manual_seed(0)
+    T, D = 64, 16
+    h, w = torch.randn(T, D), torch.randn(D, D)
+    cache = torch.zeros(T, D)
+    hn, wn, cn = h.to("neuron"), w.to("neuron"), cache.to("neuron")
+
+    def write_row(c, h, w, t):
+        c[t].copy_(h[t] @ w)
+
+    write_row(cn, hn, wn, 0)
+    write_row(cn, hn, wn, 1)
+    n = 0
+    for t in range(2, T):
+        k, _ = _compiles_during(write_row, cn, hn, wn, t)
+        n += k
+    assert n == 0, n
+    for t in range(T):
+        write_row(cache, h, w, t)
+    torch.testing.assert_close(cn.cpu(), cache)
+
+
+def test_in_place_updates_through_strided_views():
+    x = torch.randn(8, 8)
+    xn = x.to("neuron")
+
+    def scale_column(t, i):
+        return t[:, i].mul_(i + 1)   # a column: strided, offset i
+
+    n = 0
+    for i in range(8):
+        k, _ = _compiles_during(scale_column, xn, i)
+        n += k if i >= 2 else 0
+        x[:, i].mul_(i + 1)
+        xn[i, i:].add_(1.5)       # a row tail: a new length is a new shape, so this one compiles
+        x[i, i:].add_(1.5)
+    assert n == 0, n
+    torch.testing.assert_close(xn.cpu(), x)
+
+
+def test_compile_reasons_are_counted():
+    a = torch.randn(4, 4, device="neuron")
+    torch.special.erfcx(a)
+    torch.special.erfcx(torch.randn(5, 4, device="neuron"))
+    torch.special.erfcx(a.t())
+    torch.special.erfcx(a.to(torch.bfloat16))
+    reasons = torchneuron.metrics()["eager_compiles"]
+    assert reasons.get("new op", 0) >= 1
+    assert reasons.get("new shape", 0) >= 1
+    assert reasons.get("new layout", 0) >= 1
+    assert reasons.get("new dtype", 0) >= 1
+
+
+def test_views_into_compiled_graphs_share_an_executable():
+    x = torch.randn(16, 8)
+    xn = x.to("neuron")
+    fn = torch.compile(lambda t: (t * 2 + 1).sum(), backend="neuron")
+    fn(xn[0])
+    fn(xn[1])
+    m = torchneuron.metrics()
+    before = (m["graphs_compiled"], sum(m["recompiles"].values()))
+    for i in range(2, 16):
+        torch.testing.assert_close(fn(xn[i]).cpu(), (x[i] * 2 + 1).sum())
+    m = torchneuron.metrics()
+    assert (m["graphs_compiled"], sum(m["recompiles"].values())) == before

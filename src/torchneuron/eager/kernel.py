@@ -25,6 +25,7 @@ import jax
 import numpy as np
 import torch
 
+from ..config import observe
 from ..metrics import metrics
 from ..ops.registry import NotImplementedForDtype
 from ..ops.signature import (
@@ -72,11 +73,12 @@ def cache_size() -> int:
     return len(_cache)
 
 
-def clear_cache() -> None:
+def clear_cache(_setting=None) -> None:
     """Forget every eager executable of this process (the persistent cache on disk stays)."""
     _cache.clear()
     for k in Kernel.instances:
         k.keys.clear()
+
 
 
 # Static arguments whose schema type admits only hashable values that compare equal exactly when
@@ -425,18 +427,20 @@ def _key_parts(key):
 
 
 def compile_reason(key, previous) -> str:
-    """Why ``key`` needs an executable, next to the keys an op already has: "new op", or what
-    differs from the closest earlier key ("new shape", "new dtype", "new layout", ...)."""
+    """Why ``key`` needs an executable, next to the keys an op already has: "new op", or the most
+    basic part in which it differs from the closest earlier key, in the order dtype, shape, layout
+    (strides, storage offsets and sizes), compiled-in arguments, device, default dtype."""
     if not previous:
         return "new op"
-    parts = _key_parts(key)
-    best = None
+    parts = list(_key_parts(key).items())
+    closest = 0
     for old in previous[-64:]:
         old_parts = _key_parts(old)
-        differs = [name for name, value in parts.items() if old_parts[name] != value]
-        if best is None or len(differs) < len(best):
-            best = differs
-    return "new " + (" and ".join(best) if best else "entry")
+        same = 0
+        while same < len(parts) and old_parts[parts[same][0]] == parts[same][1]:
+            same += 1
+        closest = max(closest, same)
+    return "new " + parts[closest][0] if closest < len(parts) else "new entry"
 
 
 class _Traced:
@@ -572,3 +576,8 @@ def _traced_compile(self, *args):
 def set_tracing(on: bool) -> None:
     Kernel.__call__ = _traced_call if on else _plain_call
     Kernel._first_call = _traced_compile if on else _plain_compile
+
+
+# The float64 policy decides result dtypes (and whether an op may run at all) when a program is
+# planned: a change must not be served the programs planned under the old one.
+observe("float64", clear_cache)
