@@ -288,8 +288,27 @@ def empty_buffer(rec: StorageRecord):
     if rec.buf is PENDING:
         flush_pending("host read")
     if rec.buf is None:
-        rec.buf = jax_put(np.zeros(rec.numel, dtype=jax_dtype(rec.dtype)), rec.device_index)
+        rec.buf = _zeros(rec.numel, rec.dtype, rec.device_index)
     return rec.buf
+
+
+_shared_zeros: dict = {}
+_SHARED_ZEROS_BYTES = 1 << 20
+
+
+def _zeros(numel: int, dtype: torch.dtype, device_index: int):
+    """A zero buffer. Small ones are shared by every storage of that size that nobody wrote yet
+    (``torch.empty`` then ``fill_``/``copy_``/``uniform_``): device buffers are immutable, an op
+    makes a new buffer for what it writes, so sharing is safe and saves a host->device copy each."""
+    if numel * dtype.itemsize > _SHARED_ZEROS_BYTES:
+        return jax_put(np.zeros(numel, dtype=jax_dtype(dtype)), device_index)
+    key = (numel, dtype, device_index)
+    buf = _shared_zeros.get(key)
+    if buf is None:
+        if len(_shared_zeros) >= 256:
+            _shared_zeros.clear()
+        buf = _shared_zeros[key] = jax_put(np.zeros(numel, dtype=jax_dtype(dtype)), device_index)
+    return buf
 
 
 def pjrt_device(device_index: int):
