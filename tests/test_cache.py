@@ -1,4 +1,11 @@
-"""The executable cache: same shapes compile nothing new, new scalars compile nothing, new shapes one."""
+"""The executable cache: same shapes compile nothing new, new scalars compile nothing, new shapes one;
+views share executables; a second process loads what the first compiled."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import torch
 
@@ -187,3 +194,43 @@ def test_views_into_compiled_graphs_share_an_executable():
         torch.testing.assert_close(fn(xn[i]).cpu(), (x[i] * 2 + 1).sum())
     m = torchneuron.metrics()
     assert (m["graphs_compiled"], sum(m["recompiles"].values())) == before
+
+
+# -- persistence: a second process loads the eager executables the first one compiled -------------
+_EAGER_RUN = textwrap.dedent("""
+    import json, torch, torchneuron
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    model = model.to("neuron")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    xn, yn = x.to("neuron"), y.to("neuron")
+    for i in range(0, 32, 8):          # row slices: offsets are runtime inputs
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(xn[i:i + 8]), yn[i:i + 8])
+        loss.backward()
+        opt.step()
+    drop = torch.nn.functional.dropout(torch.ones(64, device="neuron"), 0.5).sum()
+    m = torchneuron.metrics()
+    print("RESULT" + json.dumps({"compiled": m["executables_compiled"], "loaded": m["eager_cache_loads"],
+                                  "loss": loss.item(), "drop": drop.item()}))
+""")
+
+
+def _eager_run(env):
+    proc = subprocess.run([sys.executable, "-c", _EAGER_RUN], env=env, capture_output=True, text=True,
+                          timeout=600)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
+    assert line is not None, proc.stderr[-3000:]
+    return json.loads(line[len("RESULT"):])
+
+
+def test_second_process_loads_eager_executables_and_runs_them_correctly(tmp_path):
+    env = dict(os.environ, TORCHNEURON_CACHE_DIR=str(tmp_path / "cache"))
+    cold = _eager_run(env)
+    warm = _eager_run(env)
+    assert cold["compiled"] > 20 and cold["loaded"] == 0
+    assert warm["compiled"] == 0 and warm["loaded"] == cold["compiled"]
+    assert warm["loss"] == cold["loss"] and warm["drop"] == cold["drop"]   # same RNG stream too
+    stored = list((tmp_path / "cache" / "eager").glob("*.tnexe"))
+    assert len(stored) == cold["compiled"]

@@ -3,8 +3,8 @@
 Graph executables are compiled through JAX's persistent compilation cache in ``config.cache_dir``
 (``TORCHNEURON_CACHE_DIR``; "" turns caching off), keyed by JAX on the StableHLO module, compile
 options and the PJRT platform version, so a process that traces the same graph loads it instead
-of compiling it. Every graph is written (minimum compile time 0), while eager per-op executables
-keep JAX's default threshold and stay out of it.
+of compiling it. Every graph is written (minimum compile time 0); eager per-op executables stay
+out of it (they have their own index in ``runtime.executable_store``).
 
 Tracing the interpreter and lowering to StableHLO still cost seconds per large graph before JAX can
 even compute its key, so ``<cache_dir>/graphs/`` also keeps an index from the graph itself (FX code,
@@ -15,23 +15,15 @@ to the serialized executable: a warm process goes from the FX graph straight to 
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 import os
-import pickle
-import sys
-import tempfile
 import threading
-import warnings
 
 import jax
-import torch
 from jax._src import compilation_cache
 from jax._src import config as jax_config
-from jax.experimental import serialize_executable
 
 from ..config import config
-from ..runtime import pjrt
+from ..runtime import executable_store
 
 _tls = threading.local()
 _lock = threading.Lock()
@@ -112,74 +104,21 @@ def dump(name: str, gm, lowered, specs, dump_dir: str | None = None) -> None:
 
 
 # -- the graph index -----------------------------------------------------------------------------
-_FORMAT = 1
-
-
-@functools.cache
-def _code_fingerprint() -> str:
-    """Versions, platform and every source file of torchneuron: any change invalidates the index
-    (what a graph computes depends on lowerings, the interpreter, layouts, dtype rules, config...)."""
-    h = hashlib.sha256()
-    dev = pjrt.devices()[0]
-    h.update(repr((_FORMAT, sys.version, torch.__version__, jax.__version__, config.platform,
-                   dev.platform, dev.device_kind, pjrt.platform_version(),
-                   os.environ.get("XLA_FLAGS", ""))).encode())
-    for name in package_sources():
-        with open(name, "rb") as f:
-            h.update(os.path.relpath(name, _PACKAGE_ROOT).encode())
-            h.update(f.read())
-    return h.hexdigest()
-
-
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def package_sources() -> list[str]:
-    """Every Python source file of the installed torchneuron package, in a stable order."""
-    found = []
-    for directory, subdirs, files in os.walk(_PACKAGE_ROOT):
-        subdirs[:] = sorted(d for d in subdirs if d != "__pycache__")
-        found.extend(os.path.join(directory, n) for n in sorted(files) if n.endswith(".py"))
-    return found
+# Stored with eager executables in ``runtime.executable_store`` (under ``<cache_dir>/graphs/``).
+package_sources = executable_store.package_sources
 
 
 def graph_key(graph_hash: str, signature, device_index: int) -> str:
-    return hashlib.sha256(repr((_code_fingerprint(), graph_hash, signature, device_index)).encode()).hexdigest()
-
-
-def _index_path(key: str) -> str | None:
-    directory = _configure()
-    return os.path.join(directory, "graphs", f"{key}.tnexe") if directory else None
+    return executable_store.key(graph_hash, signature, device_index)
 
 
 def load_graph(key: str, devices):
     """(loaded executable, metadata dict) for an indexed graph, or None."""
-    path = _index_path(key)
-    if path is None or not os.path.exists(path):
+    if not _configure():
         return None
-    try:
-        with open(path, "rb") as f:
-            entry = pickle.load(f)
-        compiled = serialize_executable.deserialize_and_load(
-            entry["payload"], entry["in_tree"], entry["out_tree"], backend=devices[0].client,
-            execution_devices=list(devices))
-        return compiled, entry["meta"]
-    except Exception as err:  # noqa: BLE001 - a bad entry only costs a compile
-        warnings.warn(f"torchneuron: ignoring unreadable compiled-graph cache entry {path}: {err}", stacklevel=2)
-        return None
+    return executable_store.load("graphs", key, devices)
 
 
 def store_graph(key: str, compiled, meta: dict) -> None:
-    path = _index_path(key)
-    if path is None:
-        return
-    try:
-        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        # Write then rename, so a concurrent reader never sees half an entry.
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump({"payload": payload, "in_tree": in_tree, "out_tree": out_tree, "meta": meta}, f)
-        os.replace(tmp, path)
-    except Exception as err:  # noqa: BLE001 - the cache is an optimisation
-        warnings.warn(f"torchneuron: could not write the compiled-graph cache entry {path}: {err}", stacklevel=2)
+    if _configure():
+        executable_store.store("graphs", key, compiled, meta)

@@ -24,8 +24,9 @@ import warnings
 import jax
 import numpy as np
 import torch
+from jax._src import config as jax_config
 
-from ..config import observe
+from ..config import config, observe
 from ..metrics import metrics
 from ..ops.registry import NotImplementedForDtype
 from ..ops.signature import (
@@ -39,7 +40,7 @@ from ..ops.signature import (
     cast_and_broadcast,
     read_input,
 )
-from ..runtime import layout, memory, pjrt, rng
+from ..runtime import executable_store, layout, memory, pjrt, rng
 from ..runtime.device import current_device, device_mismatch_error
 from ..runtime.dtypes import device_dtype, jax_dtype, torch_dtype
 from ..runtime.values import offset_array, scalar_array
@@ -92,6 +93,9 @@ class Kernel(OpSignature):
     """The PrivateUse1 kernel of one ATen overload: its signature plus a cache of executables."""
 
     instances: list = []
+    # Whether executables go to the persistent cache: its entries are keyed by torchneuron's own
+    # sources, so a kernel whose body is user code (torchneuron.kernel ops) must not be stored.
+    persistent = True
 
     def __init__(self, overload, lowering, functional=None):
         super().__init__(overload, lowering, functional)
@@ -230,6 +234,17 @@ class Kernel(OpSignature):
         return found
 
     def _first_call(self, exe, bufs, runtime, values, device_index):
+        """Make the executable callable: load it from the persistent cache, or compile it (and
+        store it there); then run it once."""
+        start = time.perf_counter()
+        name = _store_name(exe.key) if executable_store.enabled() else None
+        loaded = executable_store.load("eager", name, [pjrt.device(device_index)]) if name else None
+        if loaded is not None:
+            exe.call = loaded[0]
+            metrics.eager_cache_loads += 1
+            results = exe.call(*bufs, *runtime)
+            metrics.compile_seconds += time.perf_counter() - start
+            return results
         traced = exe.traced
 
         def run(*flat):  # a plain function: jit's dispatch is slower for callable objects
@@ -238,19 +253,23 @@ class Kernel(OpSignature):
         # Results live on the op's device even when no input buffer pins it (factories, ops that
         # overwrite their only input).
         jitted = jax.jit(run, out_shardings=_sharding(device_index))
-        # The first call traces and compiles; later calls take jit's C++ dispatch fast path
-        # (a Compiled object's own __call__ is a much slower Python path).
-        start = time.perf_counter()
-        try:
-            results = jitted(*bufs, *runtime)
-        except NotImplementedForDtype as err:
-            # A lowering rejecting a dtype as ATen's kernels do (ops.numerics.require_floating).
-            raise NotImplementedForDtype(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
-        except Exception as err:
-            error = self.compile_error(values, err)
-            if error is err:
-                raise
-            raise error from err
+        # The first call traces and compiles; later calls take jit's C++ dispatch fast path.
+        # JAX's own persistent cache stays out of it: what it loads cannot be stored again.
+        with jax_config.enable_compilation_cache(False):
+            try:
+                results = jitted(*bufs, *runtime)
+            except NotImplementedForDtype as err:
+                # A lowering rejecting a dtype as ATen's kernels do (ops.numerics.require_floating).
+                raise NotImplementedForDtype(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
+            except Exception as err:
+                error = self.compile_error(values, err)
+                if error is err:
+                    raise
+                raise error from err
+            if name is not None:
+                # The executable jit just compiled (its lowering and compile are cached in memory).
+                executable_store.store("eager", name, lambda: jitted.lower(*bufs, *runtime).compile(),
+                                       {"op": self.short_name})
         metrics.compile_seconds += time.perf_counter() - start
         metrics.executables_compiled += 1
         metrics.eager_compiles[exe.reason] += 1
@@ -441,6 +460,26 @@ def compile_reason(key, previous) -> str:
             same += 1
         closest = max(closest, same)
     return "new " + parts[closest][0] if closest < len(parts) else "new entry"
+
+
+# Compiled-in values that print the same in every process (a Generator's repr holds an address).
+_PORTABLE = (int, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format, type)
+
+
+def _portable(v) -> bool:
+    if isinstance(v, tuple):
+        return all(_portable(x) for x in v)
+    return isinstance(v, _PORTABLE)
+
+
+def _store_name(key):
+    """The persistent-cache entry of an eager cache key, or None for keys that hold values whose
+    ``repr`` differs between processes."""
+    kernel, specs, statics, storages, device_index, default_dtype = key
+    if not kernel.persistent or not _portable(statics):
+        return None
+    return executable_store.key("eager", kernel.name, kernel.functional is not None, specs, statics,
+                                storages, device_index, default_dtype, config.float64)
 
 
 class _Traced:

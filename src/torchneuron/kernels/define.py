@@ -41,6 +41,9 @@ _REGISTRY: dict[str, JaxKernel] = {}
 class NeuronKernel(Kernel):
     """The PrivateUse1 kernel of a custom op: an eager ``Kernel`` whose lowering is the JAX body."""
 
+    # The body is user code, which the persistent cache's fingerprint does not cover.
+    persistent = False
+
     def __init__(self, overload, body: Body):
         super().__init__(overload, Lowering(name=body.qualname, fn=body, derive_variants=False))
         # Metrics, profiler ranges and messages name the op with its namespace ("mylib::rms_norm").
