@@ -147,7 +147,8 @@ def test_bool_and_int_compiled_in_scalars_differ():
         assert_same(torch.linalg.vector_norm(n, ord), torch.linalg.vector_norm(x, ord))
 
 
-def test_clear_cache_forgets_keys_and_compile_reasons():
+def test_clear_cache_forgets_keys_and_compile_reasons(monkeypatch):
+    monkeypatch.setattr(torchneuron.config, "cache_dir", "")   # compile again, not load from disk
     n = torch.randn(3, device="neuron")
     torch.sin(n)
     kernel_mod.clear_cache()
