@@ -211,6 +211,32 @@ def test_check_context_manager_and_baseline_drift(tmp_path):
     assert loss["first_bad_index"] == 2 and loss["max_rel"] == pytest.approx(0.01 / 1.01, rel=1e-3)
 
 
+def test_eager_compiles_after_the_first_step_are_reported_by_call_site(tmp_path):
+    x = torch.randn(97, 13).to("neuron")
+    with torchneuron.check(str(tmp_path / "r")) as chk:
+        for step in range(6):
+            for i in range(8):
+                (x[step * 8 + i] * 2).sum()          # rows: one executable for every offset
+            x[: 50 + step].exp().sum()                # a new shape every step: compiles every step
+            torchneuron.step()
+    report = chk.report
+    sites = report["compilation"]["compile_sites"]
+    assert [e["op"] for e in sites] == ["exp", "sum"], sites
+    exp = sites[0]
+    assert exp["count"] == 5 and exp["steps"] == [1, 2, 3, 4, 5] and exp["reasons"] == {"new shape": 5}
+    assert exp["site"]["line"] == _line_here("x[: 50 + step].exp().sum()")
+    loops = [f for f in report["findings"] if f["kind"] == "compiling_loop"]
+    assert {f["op"] for f in loops} == {"exp", "sum"}
+    assert "new shape" in loops[0]["detail"] and "pad_to_multiple" in loops[0]["detail"]
+    md = pathlib.Path(chk.files["md"]).read_text()
+    assert "Eager executables needed after the first step" in md
+
+
+def _line_here(needle: str) -> int:
+    lines = pathlib.Path(__file__).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if needle in line and "_line_here" not in line)
+
+
 def test_failing_op_is_a_blocker_with_its_call_site(tmp_path):
     x = torch.randn(16).to("neuron")
     old = torchneuron.config.fallback

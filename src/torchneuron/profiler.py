@@ -76,6 +76,9 @@ class Tracer:
                 rng.__exit__(None, None, None)
 
     def compile(self, k, compile_fn, args):
+        col = self.collector
+        if col is not None:   # args: (executable, ...): why it is needed, for per-site counts
+            col.eager_compile(k.short_name, args[0].reason)
         if not self.timing:
             return compile_fn(k, *args)
         stat = self._stat(k.short_name, "native")

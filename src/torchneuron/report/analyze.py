@@ -164,6 +164,9 @@ def compilation(run: dict, warmup: int, warm_run: dict | None) -> dict:
         "recompiles": m.get("recompiles", {}),
         "graph_fallbacks": m.get("graph_fallbacks", {}),
         "persistent_cache": run.get("persistent_cache", {}),
+        # Eager executables needed after the first step, by call site (step numbers count from 0).
+        "compile_sites": [dict(e, steady_steps=sum(1 for s in e["steps"] if s >= warmup))
+                          for e in run.get("compile_sites", [])],
         "warm_start": None,
     }
     if warm_run is not None:
@@ -397,6 +400,15 @@ def findings(run, baseline, sections, warmup) -> list[dict]:
             out.append(_finding("warning", "recompiles", "torch.compile recompiled",
                                 f"{sum(recompile_reasons.values())} recompile(s): "
                                 + "; ".join(f"{r} ({n})" for r, n in recompile_reasons.items())))
+    for e in comp["compile_sites"]:
+        if e["steady_steps"] >= 2:
+            reasons = "; ".join(f"{r} ×{n}" for r, n in sorted(e["reasons"].items(), key=lambda x: -x[1]))
+            out.append(_finding(
+                "warning", "compiling_loop", f"aten::{e['op']} keeps compiling at one call site",
+                f"{e['count']} new executable(s) in {e['steady_steps']} steady-state steps at "
+                f"{_site_text(e['site'])} ({reasons}). A loop that changes shapes, dtypes or compiled-in "
+                "arguments every iteration compiles every iteration: keep them fixed (pad or bucket "
+                "shapes with torchneuron.pad_to_multiple).", op=e["op"], site=e["site"]))
     if comp["graph_breaks"]:
         out.append(_finding("warning", "graph_breaks", "torch.compile graph breaks",
                             f"{sum(comp['graph_breaks'].values())} graph break(s): "

@@ -121,6 +121,7 @@ class Collector:
         self.failures: dict[tuple[str, str], dict] = {}
         self.fallback_costs: dict[str, dict] = {}
         self.transfers: dict[tuple, dict] = {}
+        self.compile_sites: dict[tuple, dict] = {}   # eager compiles after the first step, by site
         self.tracked: dict[str, dict] = {}
         self.boundaries: list[dict] = []
         self.explicit_seen = False
@@ -218,6 +219,25 @@ class Collector:
 
     def float64(self, name: str) -> None:
         self.float64_sites[name] = sites.user_site()
+
+    def eager_compile(self, name: str, reason: str) -> None:
+        """An eager op needs a new executable (compiled or loaded from disk). The first step
+        compiles everything; after it, a call site that keeps compiling is a finding."""
+        if self.internal:
+            return
+        step = self.current_step()
+        if step < 1:
+            return
+        site = sites.user_site()
+        key = (name, _site_key(site))
+        entry = self.compile_sites.get(key)
+        if entry is None:
+            entry = self.compile_sites[key] = {"op": name, "site": site, "count": 0, "steps": [],
+                                               "reasons": {}}
+        entry["count"] += 1
+        if not entry["steps"] or entry["steps"][-1] != step:
+            entry["steps"].append(step)
+        entry["reasons"][reason] = entry["reasons"].get(reason, 0) + 1
 
     # -- steps ----------------------------------------------------------------------------------
     def _optimizer_stepped(self, optimizer, args, kwargs) -> None:
@@ -354,6 +374,7 @@ class Collector:
             "failures": list(self.failures.values()),
             "fallback_costs": self.fallback_costs,
             "transfers": sorted(self.transfers.values(), key=lambda e: -e["bytes"]),
+            "compile_sites": sorted(self.compile_sites.values(), key=lambda e: -e["count"]),
             "tracked": tracked,
             "tolerance": {"rtol": self.rtol, "atol": self.atol},
             "memory": memory,

@@ -236,6 +236,13 @@ def _compilation(b, report):
                      "as JAX measures it)"])
         rows.append(["Warm start: first step", fmt_s(w["first_step_seconds"])])
     b.append(("table", ["Measure", "Value"], rows))
+    if c.get("compile_sites"):
+        b.append(("p", ["Eager executables needed after the first step, by call site (a site that compiles "
+                        "in many steps is a loop that keeps compiling):"]))
+        b.append(("table", ["Op", "New executables", "Steps", "Reasons", "Call site"],
+                  [[Code(e["op"]), str(e["count"]), str(len(e["steps"])),
+                    ", ".join(f"{r} ×{n}" for r, n in e["reasons"].items()), site_cell(e["site"])]
+                   for e in c["compile_sites"][:20]]))
     for key, label in (("graph_breaks", "Graph break reasons"), ("recompiles", "Recompile reasons"),
                        ("graph_fallbacks", "Graphs run eagerly because of")):
         if c[key]:
