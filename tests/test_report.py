@@ -214,22 +214,32 @@ def test_check_context_manager_and_baseline_drift(tmp_path):
 def test_eager_compiles_after_the_first_step_are_reported_by_call_site(tmp_path):
     x = torch.randn(97, 13).to("neuron")
     with torchneuron.check(str(tmp_path / "r")) as chk:
-        for step in range(6):
+        for step in range(9):
             for i in range(8):
                 (x[step * 8 + i] * 2).sum()          # rows: one executable for every offset
-            x[: 50 + step].exp().sum()                # a new shape every step: compiles every step
+            if step % 3 == 0:
+                x[: 50 + step].exp().sum()            # a new shape every third step: compiles then
             torchneuron.step()
     report = chk.report
     sites = report["compilation"]["compile_sites"]
     assert [e["op"] for e in sites] == ["exp", "sum"], sites
     exp = sites[0]
-    assert exp["count"] == 5 and exp["steps"] == [1, 2, 3, 4, 5] and exp["reasons"] == {"new shape": 5}
+    assert exp["count"] == 2 and exp["steps"] == [3, 6] and exp["reasons"] == {"new shape": 2}
     assert exp["site"]["line"] == _line_here("x[: 50 + step].exp().sum()")
+    # Two of eight steady steps compile: not every step, but a loop that keeps compiling.
     loops = [f for f in report["findings"] if f["kind"] == "compiling_loop"]
-    assert {f["op"] for f in loops} == {"exp", "sum"}
+    assert {f["op"] for f in loops} == {"exp", "sum"}, report["findings"]
     assert "new shape" in loops[0]["detail"] and "pad_to_multiple" in loops[0]["detail"]
     md = pathlib.Path(chk.files["md"]).read_text()
     assert "Eager executables needed after the first step" in md
+
+    with torchneuron.check(str(tmp_path / "every")) as every:
+        for step in range(5):
+            x[: 60 + step].cos().sum()               # a new shape in every step
+            torchneuron.step()
+    blocker = next(f for f in every.findings if f["kind"] == "recompiles_every_step")
+    assert "aten::cos at" in blocker["detail"] and "new shape" in blocker["detail"]
+    assert "compiling_loop" not in {f["kind"] for f in every.findings}
 
 
 def _line_here(needle: str) -> int:

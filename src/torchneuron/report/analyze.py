@@ -184,6 +184,10 @@ def compilation(run: dict, warmup: int, warm_run: dict | None) -> dict:
     return out
 
 
+def _reasons(entry: dict) -> str:
+    return ", ".join(f"{r} ×{n}" for r, n in sorted(entry["reasons"].items(), key=lambda x: -x[1]))
+
+
 def _compiled(step: dict) -> bool:
     return step["compiles"] > 0 or step["graphs_compiled"] > 0 or step["recompiles"] > 0
 
@@ -391,8 +395,21 @@ def findings(run, baseline, sections, warmup) -> list[dict]:
         if recompile_reasons:
             pattern, count = _top_pattern(recompile_reasons)
             detail += f" Most common recompile reason ({count}×): {pattern}"
+        looping = [e for e in comp["compile_sites"] if e["steady_steps"] >= MIN_STEADY_HITS]
+        if looping:
+            detail += " Eager call sites that keep compiling: " + "; ".join(
+                f"aten::{e['op']} at {_site_text(e['site'])} ({_reasons(e)})" for e in looping[:3])
         out.append(_finding("blocker", "recompiles_every_step", "Compiles in (almost) every step", detail))
     else:
+        # A loop that keeps compiling at one call site, though not in every step.
+        for e in comp["compile_sites"]:
+            if e["steady_steps"] >= MIN_STEADY_HITS:
+                out.append(_finding(
+                    "warning", "compiling_loop", f"aten::{e['op']} keeps compiling at one call site",
+                    f"{e['count']} new executable(s) in {e['steady_steps']} steady-state steps at "
+                    f"{_site_text(e['site'])} ({_reasons(e)}). A loop that changes shapes, dtypes or "
+                    "compiled-in arguments compiles again each time: keep them fixed (pad or bucket "
+                    "shapes with torchneuron.pad_to_multiple).", op=e["op"], site=e["site"]))
         if hits >= MIN_STEADY_HITS:
             out.append(_finding("warning", "steady_compiles", "Compiles during steady state",
                                 f"{hits} of {len(steady)} steady-state steps compiled new executables."))
@@ -400,15 +417,6 @@ def findings(run, baseline, sections, warmup) -> list[dict]:
             out.append(_finding("warning", "recompiles", "torch.compile recompiled",
                                 f"{sum(recompile_reasons.values())} recompile(s): "
                                 + "; ".join(f"{r} ({n})" for r, n in recompile_reasons.items())))
-    for e in comp["compile_sites"]:
-        if e["steady_steps"] >= 2:
-            reasons = "; ".join(f"{r} ×{n}" for r, n in sorted(e["reasons"].items(), key=lambda x: -x[1]))
-            out.append(_finding(
-                "warning", "compiling_loop", f"aten::{e['op']} keeps compiling at one call site",
-                f"{e['count']} new executable(s) in {e['steady_steps']} steady-state steps at "
-                f"{_site_text(e['site'])} ({reasons}). A loop that changes shapes, dtypes or compiled-in "
-                "arguments every iteration compiles every iteration: keep them fixed (pad or bucket "
-                "shapes with torchneuron.pad_to_multiple).", op=e["op"], site=e["site"]))
     if comp["graph_breaks"]:
         out.append(_finding("warning", "graph_breaks", "torch.compile graph breaks",
                             f"{sum(comp['graph_breaks'].values())} graph break(s): "
