@@ -50,8 +50,12 @@ def _runtime_lr(tensor_lr_kernel):
 
 
 def _redispatch_cpu(overload):
+    # The handle's boxed redispatch directly: OpOverload.redispatch is one more Python frame on
+    # every view (x.t() in each Linear, x[i], reshape...).
+    redispatch = overload._handle.redispatch_boxed
+
     def kernel(*args, **kwargs):
-        return overload.redispatch(_CPU, *args, **kwargs)
+        return redispatch(_CPU, *args, **kwargs)
     return kernel
 
 
