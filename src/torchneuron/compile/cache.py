@@ -95,7 +95,8 @@ def dump(name: str, gm, lowered, specs, dump_dir: str | None = None) -> None:
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, f"{name}.fx.py"), "w") as f:
         f.write(f"# torchneuron torch.compile graph {name}\n")
-        f.write("# input signature (dtype, sizes, strides, storage offset, storage slot, storage numel):\n")
+        f.write("# input signature (dtype, sizes, strides, storage offset (None: a runtime input), "
+                "storage slot, storage numel):\n")
         for i, spec in enumerate(specs):
             f.write(f"#   {i}: {spec}\n")
         f.write(gm.print_readable(print_output=False, include_stride=True, include_device=True))

@@ -3,9 +3,10 @@
 ``GraphProgram`` checks at compile time that every node has a lowering in the one registry that
 eager mode uses (``ops.registry``), then compiles lazily, per input signature:
 
-* the signature of a call is each input's dtype, sizes, strides, storage offset and which inputs
+* the signature of a call is each input's dtype, sizes, strides, storage size and which inputs
   share a storage (views and non-contiguous inputs are read from their storage buffers inside the
-  executable, exactly as eager kernels read them), so a new layout is a new executable;
+  executable, exactly as eager kernels read them), so a new layout is a new executable; a view's
+  storage offset is a runtime input, so ``fn(x[i])`` compiles once for every ``i``;
 * ``jax.jit`` traces the interpreter (``compile.interpreter``) over the graph, which calls each
   node's lowering the way eager kernels do (``ops.signature``);
 * input mutations (BatchNorm running stats, optimizer steps) are written back into the inputs'
@@ -216,7 +217,7 @@ class GraphProgram:
     def _compile(self, key, specs, bufs, runtime, device_index):
         if self.executables:
             metrics.recompiles[f"{self.kind} graph called with a new input layout "
-                               "(dtype/shape/strides/storage offset/aliasing)"] += 1
+                               "(dtype/shape/strides/storage size/aliasing)"] += 1
         exe = executables.cached(self.graph_hash, key, device_index,
                                  need_trace=bool(self.dump_dir or config.dump_dir or self.custom_kernels))
         if exe is not None:
