@@ -1,10 +1,16 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 # Each test process gets its own persistent compilation cache (tests that exercise the cache set
 # their own): concurrent workers must not read each other's half-written entries, and results
-# must not depend on what earlier runs left in the user's cache.
-os.environ.setdefault("TORCHNEURON_CACHE_DIR", tempfile.mkdtemp(prefix="torchneuron-test-cache-"))
+# must not depend on what earlier runs left in the user's cache. Eager executables are stored there
+# too, so it is removed when the process ends.
+if "TORCHNEURON_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="torchneuron-test-cache-")
+    os.environ["TORCHNEURON_CACHE_DIR"] = _cache_dir
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

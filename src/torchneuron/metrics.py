@@ -66,7 +66,8 @@ class _Registry:
     def summary(self) -> str:
         s = self.snapshot()
         lines = [
-            f"executables compiled : {s['executables_compiled']} ({s['compile_seconds']:.2f} s)",
+            f"executables compiled : {s['executables_compiled']} ({s['compile_seconds']:.2f} s)"
+            + (f", {s['eager_cache_loads']} eager loaded from the persistent cache" if s["eager_cache_loads"] else ""),
             f"cache hits           : {s['cache_hits']} (hit rate {s['cache_hit_rate']:.1%})",
             f"CPU fallbacks        : {s['fallback_count']}"
             + (f" {dict(s['fallbacks'])}" if s["fallbacks"] else ""),
