@@ -110,18 +110,28 @@ def steady(repeats: int):
         epoch()   # compiles (neuron) and warms up
         return epoch
 
-    epochs = {"neuron": setup("neuron"), "cpu": setup("cpu")}
-    times = {"neuron": [], "cpu": []}
+    threads = torch.get_num_threads()
+    epochs = {"neuron": (setup("neuron"), threads), "cpu": (setup("cpu"), threads),
+              "cpu, 1 thread": (setup("cpu"), 1)}
+    times = {name: [] for name in epochs}
+    cpu_times = {name: [] for name in epochs}
     for _ in range(repeats):
-        for device, epoch in epochs.items():
+        for name, (epoch, n) in epochs.items():
+            torch.set_num_threads(n)
             time.sleep(0.2)   # let the other configuration's threads go idle
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             epoch()
-            times[device].append(time.perf_counter() - start)
-    neu, cpu = statistics.median(times["neuron"]), statistics.median(times["cpu"])
+            times[name].append(time.perf_counter() - start)
+            cpu_times[name].append(time.process_time() - start_cpu)
+    torch.set_num_threads(threads)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    med_cpu = {name: statistics.median(t) for name, t in cpu_times.items()}
     print(f"\nsteady-state epoch (8 steps of batch 64), median of {repeats} (load average "
-          f"{os.getloadavg()[0]:.1f}): neuron {neu * 1e3:.1f} ms, CPU {cpu * 1e3:.1f} ms, "
-          f"neuron/CPU time {neu / cpu:.2f}x")
+          f"{os.getloadavg()[0]:.1f}; CPU PyTorch with its {threads} threads, and with 1):")
+    print(f"  {'':14} {'wall ms':>8} {'neuron/this':>12} {'CPU-time ms':>12} {'neuron/this':>12}")
+    for name in epochs:
+        print(f"  {name:14} {med[name] * 1e3:8.1f} {med['neuron'] / med[name]:11.2f}x "
+              f"{med_cpu[name] * 1e3:12.1f} {med_cpu['neuron'] / med_cpu[name]:11.2f}x")
 
 
 def main():
