@@ -120,3 +120,16 @@ def test_inplace_on_leaf_view_updates_all_aliases():
     v1.zero_()
     assert v2.cpu()[:3].tolist() == [0.0, 0.0, 0.0]
     assert n.cpu()[1].tolist() == [3.0, 4.0, 5.0]
+
+
+def test_in_place_list_op_with_an_empty_tensor_among_views():
+    """Mutated tensors without elements have nothing to write, and must not shift the others."""
+    base = torch.arange(12.0).reshape(3, 4)
+    n = base.to("neuron")
+    cpu_list = [base[0], torch.empty(0), base[2, 1:]]
+    neuron_list = [n[0], torch.empty(0, device="neuron"), n[2, 1:]]
+    torch._foreach_add_(cpu_list, 1.5)
+    torch._foreach_add_(neuron_list, 1.5)
+    torch._foreach_mul_(cpu_list, [2.0, 3.0, 4.0])
+    torch._foreach_mul_(neuron_list, [2.0, 3.0, 4.0])
+    torch.testing.assert_close(n.cpu(), base)

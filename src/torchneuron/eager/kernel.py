@@ -81,7 +81,6 @@ def clear_cache(_setting=None) -> None:
         k.keys.clear()
 
 
-
 # Static arguments whose schema type admits only hashable values that compare equal exactly when
 # they mean the same thing: compiled in as they are. Everything else is frozen (``_freeze``).
 _PLAIN_STATIC = frozenset({"int", "bool", "str", "ScalarType", "Layout", "Device", "MemoryFormat",
@@ -206,14 +205,11 @@ class Kernel(OpSignature):
             if not layout.is_dense(sizes, strides):
                 strides = memory.contiguous_strides(sizes)
             out_specs.append((dtype, sizes, strides))
-        # Buffers written by this op: each mutated argument's view, by its position among the inputs.
+        # Buffers written by this op: each mutated argument's view, by its position among the
+        # inputs (None for a tensor without elements: nothing to write).
         positions = self._input_positions(specs)
-        write_targets = []
-        for i, pos, _ in self.mutated_tensors(values):
-            read = positions.get((i, pos))
-            if read is not None:
-                write_targets.append(read)
-        writes = tuple(dict.fromkeys(spec[4] for _, spec in write_targets))
+        write_targets = [positions.get((i, pos)) for i, pos, _ in self.mutated_tensors(values)]
+        writes = tuple(dict.fromkeys(target[1][4] for target in write_targets if target is not None))
         promote_dtype = None
         if self.promote_idx is not None:
             promote_dtype = self.promotion_dtype(values, new_meta)
@@ -496,7 +492,7 @@ class _Traced:
         dynamic.add(kernel.generator_index)
         self.values = [None if i in dynamic else v for i, v in enumerate(values)]
         self.out_specs = out_specs
-        self.write_targets = write_targets   # (read position, view spec) of each mutated input
+        self.write_targets = write_targets   # (read position, view spec) or None per mutated input
         self.writes = writes
         self.promote_dtype = promote_dtype
         self.nbufs = len(ctx.bufs)
@@ -534,9 +530,10 @@ class _Traced:
             dtype, sizes, strides = spec
             outputs.append(layout.to_layout(k.fit_output(value, dtype, sizes), sizes, strides))
         new_bufs = {}
-        for (n, (dtype, sizes, strides, _, slot)), value in zip(self.write_targets, mutated_vals):
-            if value is None:
+        for target, value in zip(self.write_targets, mutated_vals):
+            if value is None or target is None:
                 continue
+            n, (dtype, sizes, strides, _, slot) = target
             base = new_bufs.get(slot, bufs[slot])
             value = cast_and_broadcast(value, dtype, sizes)
             new_bufs[slot] = layout.write(base, value, jax_dtype(dtype), sizes, strides, offsets[n])

@@ -27,6 +27,7 @@ import torch
 from jax.experimental import serialize_executable
 
 from ..config import config
+from ..metrics import metrics
 from . import pjrt
 
 _FORMAT = 1
@@ -100,12 +101,24 @@ def store(kind: str, name: str, compiled, meta: dict) -> None:
         if callable(compiled) and not hasattr(compiled, "as_text"):
             compiled = compiled()
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+    except Exception:  # noqa: BLE001 - some executables cannot be serialized (XLA CPU sort comparators:
+        # "`LessThan` is not serializable"); they are compiled again in the next process
+        metrics.extra["executables_not_storable"] += 1
+        return
+    try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         # Write then rename, so a concurrent reader never sees half an entry.
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             pickle.dump({"payload": payload, "in_tree": in_tree, "out_tree": out_tree, "meta": meta}, f)
         os.replace(tmp, path)
-    except Exception as err:  # noqa: BLE001 - the cache is an optimisation
-        warnings.warn(f"torchneuron: could not write the compiled-executable cache entry {path}: {err}",
-                      stacklevel=2)
+    except OSError as err:  # the cache is an optimisation: say so once per folder
+        folder = os.path.dirname(path)
+        if folder not in _unwritable:
+            _unwritable.add(folder)
+            warnings.warn(f"torchneuron: could not write the compiled-executable cache entry {path}: {err}; "
+                          "executables are compiled again in the next process. Set TORCHNEURON_CACHE_DIR "
+                          "to a writable folder (\"\" turns the cache off).", stacklevel=2)
+
+
+_unwritable: set = set()
