@@ -236,6 +236,8 @@ class Kernel(OpSignature):
         name = _store_name(exe.key) if executable_store.enabled() else None
         loaded = executable_store.load("eager", name, [pjrt.device(device_index)]) if name else None
         if loaded is not None:
+            # A loaded executable is never traced: whatever the hot path needs from tracing must
+            # be stored in the entry's metadata (``store`` below) and restored here.
             exe.call = loaded[0]
             metrics.eager_cache_loads += 1
             results = exe.call(*bufs, *runtime)
