@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import torchneuron
@@ -234,3 +235,20 @@ def test_second_process_loads_eager_executables_and_runs_them_correctly(tmp_path
     assert warm["loss"] == cold["loss"] and warm["drop"] == cold["drop"]   # same RNG stream too
     stored = list((tmp_path / "cache" / "eager").glob("*.tnexe"))
     assert len(stored) == cold["compiled"]
+
+
+@pytest.mark.parametrize("name", ["view out", "mutate and view", "as_strided, own offset", "as_strided, offset 5"])
+def test_graphs_on_views_with_runtime_offsets_match_eager(name):
+    fn = {"view out": lambda t: t[1:],
+          "mutate and view": lambda t: t.add_(1)[1:],
+          # as_strided indexes the storage: from the input's own offset when none is given (this
+          # call's, a runtime input), from an absolute offset when one is.
+          "as_strided, own offset": lambda t: torch.as_strided(t, (2,), (1,)) * 2,
+          "as_strided, offset 5": lambda t: torch.as_strided(t, (2,), (1,), 5) * 2}[name]
+    base = torch.arange(40.).reshape(8, 5)
+    nbase = base.to("neuron")
+    compiled_fn = torch.compile(fn, backend="neuron")
+    for i in range(1, 6):
+        torch.testing.assert_close(compiled_fn(nbase[i]).cpu(), fn(base[i]).clone())
+        torch.testing.assert_close(nbase.cpu(), base)
+    assert torchneuron.metrics()["graphs_compiled"] <= 1

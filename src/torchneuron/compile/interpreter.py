@@ -192,11 +192,11 @@ class Interpreter:
         metas = [meta_of(v) for v in values]
         arrays = [_lookup(v, env) for v in values]
         if sig.name == "aten::as_strided":
-            arrays[0], shift = self._storage_of(values[0], arrays[0])
+            arrays[0], runtime_offset = self._storage_of(values[0], arrays[0])
             if len(arrays) < 4 or arrays[3] is None:   # as_strided keeps its input's storage offset
-                arrays[3:] = [metas[0].storage_offset()]
-            if shift is not None:
-                arrays[3] = arrays[3] + shift
+                # (this call's, where the input's offset is a runtime value; an offset the graph
+                # gives is absolute in the storage)
+                arrays[3:] = [metas[0].storage_offset() if runtime_offset is None else runtime_offset]
         if kind == "index_put" and any(i is not None and i.dtype == jnp.bool_ for i in arrays[1]):
             env[node] = _bool_mask_index_put(arrays[0], arrays[1], arrays[2], bool(arrays[3]),
                                              node.meta["val"].dtype)
@@ -239,16 +239,12 @@ class Interpreter:
         return results
 
     def _storage_of(self, node, value):
-        """(storage, offset shift) for as_strided, which indexes the storage: a graph input's whole
-        storage buffer when its element type is the input's; otherwise the input written into a
-        storage of its storage's size. The graph's offsets are those of the traced (fake) input: for
-        an input whose offset is a runtime value, the shift moves them to this call's offset."""
+        """(storage, the input's runtime storage offset or None) for as_strided, which indexes the
+        storage: a graph input's whole storage buffer when its element type is the input's;
+        otherwise the input written into a storage of its storage's size."""
         stored = self.storages.get(node)
         if stored is not None and jax_dtype(stored[1]) == stored[0].dtype:
-            runtime_offset = stored[2]
-            if runtime_offset is None:
-                return stored[0], None
-            return stored[0], runtime_offset - meta_of(node).storage_offset()
+            return stored[0], stored[2]
         return _rebuilt_storage(node, value), None
 
 

@@ -142,7 +142,8 @@ def alias(self):
 def as_strided(self, size, stride, storage_offset=None):
     # Sizes and strides index the storage; inside a graph the storage of ``self`` is taken to be its
     # contiguous flattening (the compile interpreter rebuilds it first when it is not).
-    return layout.read(self.reshape(-1), self.dtype, tuple(size), tuple(stride), storage_offset or 0)
+    offset = 0 if storage_offset is None else storage_offset   # a traced offset has no truth value
+    return layout.read(self.reshape(-1), self.dtype, tuple(size), tuple(stride), offset)
 
 
 @lowering("split.Tensor", graph_only=True)
