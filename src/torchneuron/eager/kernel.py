@@ -49,7 +49,7 @@ _records = memory.allocator.records
 
 
 class Executable:
-    __slots__ = ("traced", "call", "out_specs", "outputs", "writes", "op_name", "key", "reason")
+    __slots__ = ("traced", "call", "out_specs", "outputs", "writes", "op_name", "key", "reason", "single")
 
     def __init__(self, traced, out_specs, writes, op_name, key=None, reason=None):
         self.traced = traced          # the pure function of (buffers..., runtime values...)
@@ -61,6 +61,7 @@ class Executable:
         self.op_name = op_name
         self.key = key                # the cache key (what decides this program)
         self.reason = reason          # why it was needed: "new op", "new shape", ...
+        self.single = False           # the op returns exactly one new output and writes nothing
 
 
 # The adaptive-eager recorder while that mode is on (see eager/adaptive.py), else None.
@@ -157,6 +158,8 @@ class Kernel(OpSignature):
 
     def _finish(self, exe, results, values, ctx):
         device_index = ctx.device_index
+        if exe.single:   # one new output, nothing written: most ops
+            return memory.allocator.new_output(exe.outputs[0], results[0], device_index)
         new_output = memory.allocator.new_output
         outs = []
         k = 0
@@ -214,7 +217,10 @@ class Kernel(OpSignature):
         if self.promote_idx is not None:
             promote_dtype = self.promotion_dtype(values, new_meta)
         traced = _Traced(self, specs, values, out_specs, write_targets, writes, promote_dtype, ctx)
-        return Executable(traced, out_specs, writes, self.short_name)
+        exe = Executable(traced, out_specs, writes, self.short_name)
+        exe.single = (not writes and len(out_specs) == 1 and out_specs[0] is not None
+                      and not self.returns_list and self.return_sources == [None])
+        return exe
 
     def _input_positions(self, specs):
         """(argument index, position in its list) -> (read position, view spec) of each input that
