@@ -4,6 +4,8 @@ around it, ``torch.Generator(device="neuron")``, integer images through ``F.inte
 calls inside compiled graphs, pinned memory, GradScaler's fused ops and the Transformer fast path.
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -225,6 +227,67 @@ def test_pin_memory_gives_a_pinned_host_copy():
     assert torch.equal(w.grad, torch.ones(3))
 
 
+_PINNED_FACTORIES = {
+    "empty": lambda pin: torch.empty(2, 3, pin_memory=pin).fill_(1.5),
+    "empty_strided": lambda pin: torch.empty_strided((2, 3), (1, 2), pin_memory=pin).fill_(2.0),
+    "zeros": lambda pin: torch.zeros(2, 3, pin_memory=pin),
+    "ones": lambda pin: torch.ones(2, 3, dtype=torch.int64, pin_memory=pin),
+    "full": lambda pin: torch.full((2, 3), 7.0, pin_memory=pin),
+    "arange": lambda pin: torch.arange(6, pin_memory=pin),
+    "linspace": lambda pin: torch.linspace(0, 1, 5, pin_memory=pin),
+    "eye": lambda pin: torch.eye(3, pin_memory=pin),
+    "tensor": lambda pin: torch.tensor([[1, 2], [3, 4]], pin_memory=pin),
+    "randn": lambda pin: torch.randn(4, 5, pin_memory=pin),
+    "randint": lambda pin: torch.randint(0, 9, (6,), pin_memory=pin),
+    "zeros_like": lambda pin: torch.zeros_like(torch.ones(2, 2), pin_memory=pin),
+    "full_like": lambda pin: torch.full_like(torch.ones(2, 2), 3.0, pin_memory=pin),
+    "new_zeros": lambda pin: torch.ones(2).new_zeros((3,), pin_memory=pin),
+    "new_full": lambda pin: torch.ones(2).new_full((3,), 4.0, pin_memory=pin),
+    "hann_window": lambda pin: torch.hann_window(4, pin_memory=pin),
+    "fftfreq": lambda pin: torch.fft.fftfreq(4, pin_memory=pin),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PINNED_FACTORIES))
+def test_factories_allocate_pinned_host_memory(name):
+    # With neuron as the accelerator these raised NotImplementedError (PyTorch asks the backend's
+    # hooks for a pinned allocator). The pinned result equals the plain one, random streams included.
+    torch.manual_seed(3)
+    pinned = _PINNED_FACTORIES[name](True)
+    torch.manual_seed(3)
+    plain = _PINNED_FACTORIES[name](False)
+    assert pinned.device.type == "cpu" and pinned.is_pinned() and not plain.is_pinned()
+    assert pinned.dtype == plain.dtype and pinned.stride() == plain.stride()
+    assert torch.equal(pinned, plain)
+    torch.testing.assert_close(pinned.to(DEV, non_blocking=True).cpu(), plain)
+
+
+def test_factories_without_pinning_are_untouched():
+    assert not torch.empty(3).is_pinned() and not torch.zeros(3, pin_memory=False).is_pinned()
+    # A factory for the device itself is not a host allocation and keeps PyTorch's own handling.
+    assert torch.zeros(3, device=DEV).device.type == DEV
+    assert torch.empty.__name__ == "empty" and torch.Tensor.new_zeros.__name__ == "new_zeros"
+    # PyTorch's identity-keyed factory tables still work: a device context moves factory results
+    # (transformers builds models under one; a lost context gave wrong logits).
+    with torch.device(DEV):
+        made = [torch.empty(2), torch.zeros(2), torch.arange(2), torch.tensor([1.0]), torch.randn(2)]
+    assert {t.device.type for t in made} == {DEV}
+
+
+def test_pinned_factories_stay_transparent_to_torchscript_and_dynamo():
+    @torch.jit.script
+    def scripted(n: int):
+        return torch.zeros(n) + torch.arange(n) + torch.fft.fftfreq(n)
+
+    torch.testing.assert_close(scripted(4), torch.zeros(4) + torch.arange(4) + torch.fft.fftfreq(4))
+
+    def fn(x):
+        return x + torch.full((3,), 2.0, device=x.device) + x.new_ones(3) + torch.arange(3, device=x.device)
+
+    got = torch.compile(fn, backend="neuron", fullgraph=True)(torch.ones(3, device=DEV))
+    torch.testing.assert_close(got.cpu(), fn(torch.ones(3)))
+
+
 def test_save_on_cpu_with_pinning_offloads_activations_for_neuron():
     # transformers' gradient_checkpointing_enable(offload=True) path.
     from torch.autograd.graph import save_on_cpu
@@ -263,8 +326,31 @@ def _scaler_run(device, inject, steps=6):
     return scales, losses, [p.detach().cpu() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("policy", ["downcast", "error"])
+def test_grad_scaler_float64_round_trip_is_not_the_users(policy, monkeypatch):
+    # GradScaler computes 1/scale in float64 and converts back at once: no float64 warning, count
+    # or TORCHNEURON_FLOAT64=error failure for it, while the user's own float64 still gets them.
+    monkeypatch.setattr(torchneuron.config, "float64", policy)
+    torchneuron.metrics.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scales, _, params = _scaler_run(DEV, {2: float("inf")}, steps=4)
+    assert not torchneuron.metrics()["float64_downcasts"]
+    expected_scales, _, expected = _scaler_run("cpu", {2: float("inf")}, steps=4)
+    assert scales == expected_scales
+    for got, want in zip(params, expected):
+        torch.testing.assert_close(got, want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            torch.ones(2, device=DEV).double()
+        except TypeError as e:
+            assert policy == "error" and "TORCHNEURON_FLOAT64" in str(e)
+        else:
+            assert policy == "downcast" and torchneuron.metrics()["float64_downcasts"]
+
+
 @pytest.mark.usefixtures("strict_fallback")
-@pytest.mark.filterwarnings("ignore:torchneuron.*float64")   # GradScaler's inv_scale round trip
 @pytest.mark.parametrize("inject", [{}, {2: float("inf")}, {1: float("nan"), 4: float("-inf")}])
 def test_grad_scaler_skips_and_rescales_like_cpu_without_fallbacks(inject):
     cpu_scales, cpu_losses, cpu_params = _scaler_run("cpu", inject)

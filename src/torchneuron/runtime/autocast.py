@@ -2,11 +2,19 @@
 devices, so the neuron device's ``AutocastPrivateUse1`` key gets them here, following CUDA's
 policy: matmul/convolution-like ops run in the autocast dtype, precision-sensitive ops in float32,
 everything else falls through unchanged.
+
+``torch.amp.GradScaler("neuron")`` computes ``1/scale`` in float64 and converts it back at once;
+that float64 value is PyTorch's, not the user's, so it does not warn, count or fail under the
+float64 policy (``TORCHNEURON_FLOAT64=error`` would otherwise make the scaler unusable).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from .dtypes import internal_float64
 
 _KEY = "AutocastPrivateUse1"
 _EXCLUDE = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
@@ -56,9 +64,23 @@ def _cast_kernel(overload, target):
     return kernel
 
 
+def _unscale_without_float64(unscale_):
+    @functools.wraps(unscale_)
+    def wrapper(self, optimizer):
+        if self._device != "neuron":
+            return unscale_(self, optimizer)
+        with internal_float64():
+            return unscale_(self, optimizer)
+    wrapper.__torchneuron_wrapped__ = True
+    return wrapper
+
+
 def install() -> None:
     if _libs:
         return
+    scaler = torch.amp.GradScaler
+    if not hasattr(scaler.unscale_, "__torchneuron_wrapped__"):
+        scaler.unscale_ = _unscale_without_float64(scaler.unscale_)
     fallthrough = torch.library.Library("_", "IMPL")
     fallthrough.fallback(torch.library.fallthrough_kernel, _KEY)
     lib = torch.library.Library("aten", "IMPL")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
 
 import jax.numpy as jnp
@@ -39,6 +41,19 @@ def torch_dtype(dtype) -> torch.dtype:
 
 
 _warned_float64: set = set()
+# Set while PyTorch's own code makes a float64 value it converts back at once (GradScaler's
+# 1/scale): the downcast is exact there, so it is neither warned, counted nor refused.
+_internal_float64 = threading.local()
+
+
+@contextlib.contextmanager
+def internal_float64():
+    previous = getattr(_internal_float64, "active", False)
+    _internal_float64.active = True
+    try:
+        yield
+    finally:
+        _internal_float64.active = previous
 
 # float64 -> float32 and complex128 -> complex64 under the default policy.
 _NARROW = {torch.float64: torch.float32, torch.complex128: torch.complex64}
@@ -49,6 +64,8 @@ def device_dtype(dtype: torch.dtype, op_name: str) -> torch.dtype:
     narrow = _NARROW.get(dtype)
     if narrow is None or config.float64 == "keep":
         return dtype
+    if getattr(_internal_float64, "active", False):
+        return narrow
     if config.float64 == "error":
         raise TypeError(
             f"torchneuron: {op_name} would produce a {dtype} tensor, and TORCHNEURON_FLOAT64=error "
