@@ -79,7 +79,8 @@ def _prepare_custom_calls() -> None:
     one before that jumped through a null pointer (the process died with SIGSEGV)."""
     global _custom_calls_ready
     if not _custom_calls_ready:
-        from jax._src.lax import linalg   # jax's own hook; importing it early costs every start
+        # jax's own hook, imported here: importing it at module level would cost every start.
+        from jax._src.lax import linalg
         linalg.initialize_lapack()
         _custom_calls_ready = True
 
