@@ -24,6 +24,7 @@ import warnings
 
 import jax
 import torch
+from jax._src.lax import linalg as jax_linalg
 from jax.experimental import serialize_executable
 
 from ..config import config
@@ -79,9 +80,7 @@ def _prepare_custom_calls() -> None:
     one before that jumped through a null pointer (the process died with SIGSEGV)."""
     global _custom_calls_ready
     if not _custom_calls_ready:
-        # jax's own hook, imported here: importing it at module level would cost every start.
-        from jax._src.lax import linalg
-        linalg.initialize_lapack()
+        jax_linalg.initialize_lapack()
         _custom_calls_ready = True
 
 
