@@ -24,6 +24,13 @@ def _fresh_metrics():
     yield
 
 
+@pytest.fixture(params=["plain", "adaptive"])
+def both_eager_modes(request):
+    """Run the test in plain eager mode and again in adaptive eager mode (parity in both)."""
+    with torchneuron.eager_mode(request.param):
+        yield request.param
+
+
 @pytest.fixture
 def strict_fallback():
     """Any CPU fallback inside the test is an error."""

@@ -44,8 +44,13 @@ class Config:
     float64: str = "downcast"
     # Eager execution mode: one executable per op, or adaptive fusion of pending ops.
     eager_mode: str = "plain"
-    # Largest number of ops an adaptive-eager region records before it is flushed.
-    adaptive_max_ops: int = 512
+    # Largest number of ops an adaptive-eager region records before it is cut (a safety net: regions
+    # are cut at backward passes, optimizer steps and host reads).
+    adaptive_max_ops: int = 4096
+    # Most ops compiled into one fused adaptive-eager executable; longer regions are split.
+    adaptive_segment_ops: int = 256
+    # How many times a region must occur before its fused executable is compiled (in the background).
+    adaptive_compile_after: int = 2
     # torch.compile: an op without a lowering fails the compile, or the graph runs eagerly.
     compile_fallback: str = "error"
     # Persistent compilation cache for torch.compile executables ("" disables it).

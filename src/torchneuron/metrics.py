@@ -43,9 +43,12 @@ class _Registry:
         # adaptive eager
         self.regions_flushed = 0
         self.region_ops = 0
-        self.region_cache_hits = 0
-        self.region_compiles = 0
-        self.flush_reasons = Counter()
+        self.region_cache_hits = 0         # region segments run as one fused executable
+        self.region_compiles = 0           # fused executables compiled (in the background)
+        self.region_compile_seconds = 0.0
+        self.region_unfused = Counter()    # reason -> region segments run op by op
+        self.region_splits = 0             # regions too long for one fused executable
+        self.flush_reasons = Counter()     # where regions were cut
         # distributed
         self.collectives = Counter()
         self.collective_bytes = 0

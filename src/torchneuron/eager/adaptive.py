@@ -1,48 +1,82 @@
-"""Adaptive eager mode: record eager ops, run each pending region as one fused executable.
+"""Adaptive eager mode: record eager ops, replay known regions cheaply, run them fused once compiled.
 
 With the mode on, a lowered op does everything plain eager does up to the point of running: it
 binds its arguments, checks shapes and dtypes (PyTorch's meta rules, so errors surface at the
 user's line), applies promotion and the float64 policy, and allocates its outputs as real neuron
-storages. Instead of running, it appends itself to the pending region. The outputs' buffers are
-"pending" until a sync point flushes the region:
+storages. Instead of running, it appends itself to the pending region; its outputs' buffers are
+"pending" until the region is cut.
 
-- a host read (``.cpu()``, ``.item()``, ``.tolist()``, printing) of any pending storage,
-- ``torch.neuron.synchronize()``, a CPU fallback, a host write into a device tensor,
-- the region reaching ``config.adaptive_max_ops`` ops, switching the mode off, or the program exiting.
+Where regions are cut. A region ends where a training step has natural boundaries, so the same
+step produces the same regions whether or not the loop reads a value every step:
 
-A flush traces the recorded ops' own bodies (the same ``_Traced`` functions plain eager jits) into
-one JAX function, in order, threading each storage's current buffer from op to op, and returns the
-buffers of the storages still alive. Regions are cached by structure (the ops' cache keys and how
-their storages connect, plus which results are still alive): a training loop compiles its step
-once, then only hits the cache. Scalars and RNG offsets stay runtime inputs, so values, in-place
-effects, views, autograd, RNG streams and memory statistics are those of plain eager.
+- the start and the end of a backward pass (``loss.backward()``, ``torch.autograd.grad``),
+- before and after ``optimizer.step()`` (any ``torch.optim`` optimizer),
+- a host read (``.cpu()``, ``.item()``, printing), ``torch.neuron.synchronize()``, a CPU fallback, a
+  host write into a device tensor, a collective, switching the mode off, the program exiting,
+- an op on another device, and ``config.adaptive_max_ops`` ops (a safety net for loops without
+  any of the above).
+
+How a region runs. A region's structure (its executables, how their storages connect, which
+results are still alive) names a ``Plan``. A plan seen for the first time runs at once, op by op,
+through the same per-op executables plain eager uses. Once it has been seen
+``config.adaptive_compile_after`` times, its fused executable is compiled on a background thread
+while later occurrences keep running op by op; occurrences after the compile finished run as one
+fused executable. A plan longer than ``config.adaptive_segment_ops`` ops is split into segments
+compiled separately (compile time grows faster than linearly with the op count). When most recent
+regions are new (a program whose regions keep changing), nothing more is compiled until they settle;
+``metrics()["region_unfused"]`` counts every segment run that went op by op, by reason.
+
+Replay. After a cut, the region that followed this plan last time is predicted; while the user's
+calls match it op by op, each call is checked against the known executable's key (same kernel,
+same statics, each tensor's dtype, sizes, strides, offset and storage wiring, each scalar's type)
+instead of building and hashing a key, and the region's structure is known at the cut without
+hashing. A call that does not match ends the replay; the op then takes the full path.
+
+Scalars and RNG offsets stay runtime inputs, so values, in-place effects, views, autograd, RNG
+streams and memory statistics are those of plain eager.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
+import os
+import queue
 import threading
 import time
 
 import jax
+import numpy as np
+import torch
 
 from ..config import config
 from ..metrics import metrics
-from ..runtime import memory
+from ..ops.signature import OPT_TENSOR_LIST, TENSOR_LIST
+from ..runtime import memory, rng
+from ..runtime.device import current_device
+from ..runtime.dtypes import jax_dtype
 from . import kernel
 
 _records = memory.allocator.records
+PENDING = memory.PENDING
+_NOT_REPLAYED = kernel.NOT_REPLAYED
+_freeze = kernel._freeze
+_scalar_array = kernel.scalar_array
+_graph_task_id = torch._C._current_graph_task_id
+_LISTS = (TENSOR_LIST, OPT_TENSOR_LIST)
 
 
 class Region:
-    """The ops recorded since the last flush and the storages they connect."""
+    """The ops recorded since the last cut and the storages they connect."""
 
     def __init__(self):
         self.lock = threading.RLock()
-        self.reset()
+        self.prev = None          # plan of the region flushed last
+        self.graph_task = -1      # the autograd graph task whose backward is being recorded
+        self.reset(None)
 
-    def reset(self):
+    def reset(self, cursor):
         self.ops = []            # (executable, input storage ids, output storage ids, runtime count)
         self.runtime = []        # every op's runtime inputs (scalars, RNG seeds/offsets), in order
         self.sid_of = {}         # storage address -> storage id within the region
@@ -50,110 +84,457 @@ class Region:
         self.external = []       # buffers read from storages that existed before the region
         self.external_sids = []
         self.results = set()     # storage ids whose buffer the region produces (outputs, writes)
+        self.device = None
+        self.cursor = cursor     # the plan this region is predicted to repeat, while calls match it
+        self.pos = 0             # how many of its ops were replayed
 
-    def _sid(self, addr, buf):
-        sid = self.sid_of.get(addr)
-        if sid is None:
-            sid = self.sid_of[addr] = len(self.addr_of)
-            self.addr_of.append(addr)
-            if buf is not None:
-                # Capture the buffer now: the storage may die before the flush.
-                self.external.append(buf)
-                self.external_sids.append(sid)
-        return sid
+    # -- cuts at autograd boundaries ------------------------------------------------------------
+    def _backward_boundary(self, task):
+        """Called when the current thread's graph task differs from the one being recorded."""
+        self.graph_task = task
+        if task != -1:
+            self.flush("backward")   # the forward ends where the backward starts
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_done(task))
+        else:
+            self.flush("backward end")   # a backward that ended without its callback (it raised)
 
-    def record(self, k, exe, values, ctx):
+    def _backward_done(self, task):
         with self.lock:
-            input_sids = tuple(self._sid(addr, buf) for addr, buf in zip(ctx.addrs, ctx.bufs))
-            device_index = ctx.device_index if ctx.device_index is not None else k.output_device(values)
-            outs, out_sids = [], []
-            for spec in exe.out_specs:
-                if spec is None:
-                    outs.append(None)
-                    out_sids.append(None)
-                    continue
-                dtype, sizes, strides = spec
-                numel = 1
-                for s in sizes:
-                    numel *= s
-                t = memory.allocator.new_tensor(sizes, strides, dtype, device_index, buf=PENDING,
-                                                storage_nbytes=numel * dtype.itemsize)
-                sid = self._sid(t.untyped_storage().data_ptr(), None)
-                out_sids.append(sid)
-                self.results.add(sid)
-                outs.append(t)
+            if self.graph_task == task:
+                self.graph_task = -1
+            self.flush("backward end")
+
+    # -- the replay fast path -------------------------------------------------------------------
+    def replay(self, k, args, kwargs):
+        """Record a call of ``k`` that matches the next op of the predicted plan, checking it against
+        that op's executable key; ``NOT_REPLAYED`` when there is no prediction or it does not match."""
+        with self.lock:
+            task = _graph_task_id()
+            if task != self.graph_task:
+                self._backward_boundary(task)
+            cursor = self.cursor
+            if cursor is None:
+                return _NOT_REPLAYED
+            pos = self.pos
+            entry = cursor.ops[pos] if pos < len(cursor.ops) else None
+            exe = entry[0] if entry is not None else None
+            key = exe.key if exe is not None else None
+            if key is None or key[0] is not k:
+                self.cursor = None
+                return _NOT_REPLAYED
+            values = k.bind(args, kwargs)
+            if k.static and tuple(_freeze(values[i]) for i in k.static) != key[2]:
+                self.cursor = None
+                return _NOT_REPLAYED
+            n_addr, n_ext, n_rt = len(self.addr_of), len(self.external), len(self.runtime)
+            if not self._match_inputs(k, values, key, entry[1]):
+                self._rollback(n_addr, n_ext, n_rt)
+                self.cursor = None
+                return _NOT_REPLAYED
+            device = key[4]
+            if k.lowering.random:
+                # As the full path: the generator of the inputs' device, else of the current device.
+                gen_device = device if _reads_storage(key[1]) else current_device()
+                self.runtime.extend(rng.generator(gen_device).next_key_inputs())
+            outs = self._new_outputs(exe, device)[0]
+            addr_of = self.addr_of
+            input_sids = entry[1]
             for slot in exe.writes:
-                _records[ctx.addrs[slot]].buf = PENDING
-                self.results.add(input_sids[slot])
-            self.ops.append((exe, input_sids, tuple(out_sids), len(ctx.runtime)))
-            self.runtime.extend(ctx.runtime)
+                sid = input_sids[slot]
+                _records[addr_of[sid]].buf = PENDING
+                self.results.add(sid)
+            self.ops.append(entry)
+            self.device = device
+            self.pos = pos + 1
             full = len(self.ops) >= config.adaptive_max_ops
         if full:
             self.flush("size limit")
         return k.returned(outs, values)
 
+    def _match_inputs(self, k, values, key, input_sids):
+        kinds = k.kinds
+        match = self._match
+        for i, spec in zip(k.dynamic, key[1]):
+            v = values[i]
+            if kinds[i] in _LISTS:
+                if v is None or len(v) != len(spec):
+                    return False
+                for t, s in zip(v, spec):
+                    if not match(t, s, key, input_sids):
+                        return False
+            elif not match(v, spec, key, input_sids):
+                return False
+        return True
+
+    def _match(self, v, spec, key, input_sids):
+        """Whether ``v`` gives ``spec`` in the executable key (collecting its runtime value or its
+        storage on the way, as ``kernel._KeyContext`` would)."""
+        if spec is None:
+            return v is None
+        if spec.__class__ is type:               # a runtime scalar of this Python type
+            if v.__class__ is not spec:
+                return False
+            self.runtime.append(_scalar_array(v))
+            return True
+        dtype = spec[0]
+        if dtype.__class__ is not torch.dtype:
+            return self._match_unusual(v, spec)
+        try:
+            if v.dtype is not dtype or v.storage_offset() != spec[3] or v.stride() != spec[2] \
+                    or v.shape != spec[1]:
+                return False
+            addr = v.data_ptr() - spec[3] * dtype.itemsize
+        except AttributeError:                   # not a tensor
+            return False
+        slot = spec[4]
+        sid = input_sids[slot]
+        known = self.sid_of.get(addr)
+        if known is not None:
+            return known == sid
+        if sid != len(self.addr_of):
+            return False
+        rec = _records.get(addr)
+        if rec is None or rec.device_index != key[4] or (rec.numel, rec.dtype) != key[3][slot]:
+            return False
+        self.sid_of[addr] = sid
+        self.addr_of.append(addr)
+        self.external.append(rec.buf if rec.buf is not None else memory.empty_buffer(rec))
+        self.external_sids.append(sid)
+        return True
+
+    def _match_unusual(self, v, spec):
+        if not isinstance(v, torch.Tensor):
+            return False
+        tag = spec[0]
+        if tag == "cpu-scalar":
+            if v.device.type != "cpu" or v.dim() != 0 or v.dtype is not spec[1]:
+                return False
+            self.runtime.append(np.asarray(v.item(), dtype=jax_dtype(v.dtype)))
+            return True
+        if tag == "empty":
+            return v.device.type == "neuron" and v.numel() == 0 and v.dtype is spec[1] \
+                and tuple(v.shape) == spec[2] and v.untyped_storage().data_ptr() not in _records
+        return False
+
+    def _rollback(self, n_addr, n_ext, n_rt):
+        for addr in self.addr_of[n_addr:]:
+            del self.sid_of[addr]
+        del self.addr_of[n_addr:], self.external[n_ext:], self.external_sids[n_ext:], self.runtime[n_rt:]
+
+    def _new_outputs(self, exe, device):
+        """The op's outputs as real neuron storages whose buffers the region will produce, and their
+        storage ids."""
+        outs, sids = [], []
+        for spec in exe.out_specs:
+            if spec is None:
+                outs.append(None)
+                sids.append(None)
+                continue
+            dtype, sizes, strides = spec
+            numel = 1
+            for s in sizes:
+                numel *= s
+            t = memory.allocator.new_tensor(sizes, strides, dtype, device, buf=PENDING,
+                                            storage_nbytes=numel * dtype.itemsize)
+            sid = len(self.addr_of)
+            addr = t.untyped_storage().data_ptr()
+            self.sid_of[addr] = sid
+            self.addr_of.append(addr)
+            self.results.add(sid)
+            outs.append(t)
+            sids.append(sid)
+        return outs, tuple(sids)
+
+    # -- the full path --------------------------------------------------------------------------
+    def _sid(self, addr, buf):
+        sid = self.sid_of.get(addr)
+        if sid is None:
+            sid = self.sid_of[addr] = len(self.addr_of)
+            self.addr_of.append(addr)
+            # Capture the buffer now: the storage may die before the flush.
+            self.external.append(buf)
+            self.external_sids.append(sid)
+        return sid
+
+    def record(self, k, exe, values, ctx):
+        """Record a call whose executable the kernel looked up by its key."""
+        with self.lock:
+            device = ctx.device_index if ctx.device_index is not None else k.output_device(values)
+            bufs = ctx.bufs
+            if self.device is not None and device != self.device:
+                self.flush("device change")     # a region runs on one device
+                bufs = [memory.empty_buffer(_records[addr]) for addr in ctx.addrs]
+            input_sids = tuple(self._sid(addr, buf) for addr, buf in zip(ctx.addrs, bufs))
+            outs, out_sids = self._new_outputs(exe, device)
+            for slot in exe.writes:
+                _records[ctx.addrs[slot]].buf = PENDING
+                self.results.add(input_sids[slot])
+            entry = (exe, input_sids, out_sids, len(ctx.runtime))
+            self.ops.append(entry)
+            self.runtime.extend(ctx.runtime)
+            self.device = device
+            if len(self.ops) == 1:
+                # No prediction for this region: a plan that started with this op last time.
+                plan = _starts.get(exe)
+                if plan is not None and plan.ops[0] == entry:
+                    self.cursor, self.pos = plan, 1
+            full = len(self.ops) >= config.adaptive_max_ops
+        if full:
+            self.flush("size limit")
+        return k.returned(outs, values)
+
+    # -- the cut --------------------------------------------------------------------------------
     def flush(self, reason: str) -> None:
         if not self.ops:
             return
         with self.lock:
             if not self.ops:
                 return
-            ops, runtime = self.ops, self.runtime
-            external, external_sids, addr_of = self.external, self.external_sids, self.addr_of
+            ops, runtime, addr_of = self.ops, self.runtime, self.addr_of
             live = tuple(sorted(sid for sid in self.results if addr_of[sid] in _records))
-            self.reset()
-            # Executables stand for their cache keys (one per key, hashed by identity: cheaper than
-            # re-hashing every op's key at each flush, and held alive here so ids are not reused).
-            structure = (tuple(ops), tuple(external_sids), live)
-            fn = _regions.get(structure)
-            if fn is None:
-                fn = _build(ops, external_sids, live)
-                start = time.perf_counter()
-                results = fn(*external, *runtime)
-                metrics.compile_seconds += time.perf_counter() - start
-                metrics.region_compiles += 1
-                metrics.executables_compiled += 1
-                # Custom kernels (torchneuron.kernel) are named with their namespace, ATen ops not.
-                metrics.custom_kernel_compiles.update({exe.op_name for exe, *_ in ops if "::" in exe.op_name})
-                _regions[structure] = fn
+            cursor = self.cursor
+            if cursor is not None and self.pos == len(cursor.ops) and cursor.live == live:
+                plan = cursor      # every op replayed: the structure is known without hashing it
             else:
-                metrics.region_cache_hits += 1
-                results = fn(*external, *runtime)
+                plan = _plan_for((tuple(ops), tuple(self.external_sids), live), self.device)
+            external = self.external
+            self.reset(None)
+            metrics.regions_flushed += 1
+            metrics.region_ops += len(ops)
+            metrics.flush_reasons[reason] += 1
+            results = _run(plan, external, runtime)
             for sid, buf in zip(live, results):
                 rec = _records.get(addr_of[sid])
                 if rec is not None:
                     rec.buf = buf
-            metrics.regions_flushed += 1
-            metrics.region_ops += len(ops)
-            metrics.flush_reasons[reason] += 1
+            if self.prev is not None:
+                self.prev.next = plan
+            self.prev = plan
+            _starts[ops[0][0]] = plan
+            self.cursor = plan.next
 
 
-PENDING = memory.PENDING
-_regions: dict = {}
-region = Region()
+# -- plans: what a region's structure runs as -----------------------------------------------------
+class Segment:
+    """Consecutive ops of a plan compiled as one fused executable."""
+
+    __slots__ = ("ops", "in_sids", "out_sids", "rt_start", "rt_stop", "carry", "fn", "state", "error")
+
+    def __init__(self, ops, in_sids, rt_start, rt_stop):
+        self.ops = ops
+        self.in_sids = in_sids      # storages it reads that earlier segments or the caller provide
+        self.out_sids = ()          # storages it produces that later segments read or that stay alive
+        self.rt_start, self.rt_stop = rt_start, rt_stop
+        self.carry = ()             # storages whose buffers are needed after it
+        self.fn = None              # the fused executable, once compiled
+        self.state = None           # None, "compiling", "ready" or "compile failed"
+        self.error = None
 
 
-def _build(ops, external_sids, live):
-    n_external = len(external_sids)
+class Plan:
+    __slots__ = ("ops", "external_sids", "live", "device", "segments", "seen", "next")
+
+    def __init__(self, structure, device):
+        self.ops, self.external_sids, self.live = structure
+        self.device = device
+        self.seen = 0
+        self.next = None            # the plan that followed this one last time (the prediction)
+        self.segments = _segments(self.ops, self.live, max(1, config.adaptive_segment_ops))
+        if len(self.segments) > 1:
+            metrics.region_splits += 1
+
+
+def _segments(ops, live, size):
+    segments = []
+    rt = 0
+    for start in range(0, len(ops), size):
+        chunk = ops[start:start + size]
+        produced, reads = set(), {}
+        n = 0
+        for exe, input_sids, out_sids, n_runtime in chunk:
+            for sid in input_sids:
+                if sid not in produced:
+                    reads.setdefault(sid, None)
+            produced.update(sid for sid in out_sids if sid is not None)
+            produced.update(input_sids[slot] for slot in exe.writes)
+            n += n_runtime
+        seg = Segment(chunk, tuple(reads), rt, rt + n)
+        seg.carry = produced            # replaced below: what is needed after it
+        segments.append(seg)
+        rt += n
+    needed = set(live)
+    for seg in reversed(segments):
+        produced = seg.carry
+        seg.out_sids = tuple(sorted(produced & needed))
+        seg.carry = tuple(sorted(needed))
+        needed = (needed - produced) | set(seg.in_sids)
+    return segments
+
+
+_plans: dict = {}
+_starts: dict = {}                       # first executable of a plan -> the latest such plan
+_recent = collections.deque(maxlen=32)   # whether each of the latest flushes was a new plan
+_MAX_PLANS = 4096
+
+
+def _plan_for(structure, device):
+    plan = _plans.get(structure)
+    _recent.append(plan is None)
+    if plan is None:
+        if len(_plans) >= _MAX_PLANS:
+            _forget_one_offs()
+        plan = _plans[structure] = Plan(structure, device)
+    return plan
+
+
+def _forget_one_offs():
+    """Drop plans that were never compiled (a program whose regions never repeat)."""
+    for structure, plan in list(_plans.items()):
+        if all(seg.state is None for seg in plan.segments):
+            del _plans[structure]
+    _starts.clear()
+    region.prev = None
+
+
+def _churning() -> bool:
+    return len(_recent) == _recent.maxlen and sum(_recent) >= _recent.maxlen * 3 // 4
+
+
+def _run(plan, external, runtime):
+    """Run one occurrence of ``plan``: each segment fused if its executable is ready, else op by op
+    (queuing its compile when the plan has repeated enough). Returns the buffers of ``plan.live``."""
+    plan.seen += 1
+    current = dict(zip(plan.external_sids, external))
+    split = len(plan.segments) > 1
+    for seg in plan.segments:
+        rt = runtime[seg.rt_start:seg.rt_stop]
+        fn = seg.fn
+        if fn is not None:
+            metrics.region_cache_hits += 1
+            current.update(zip(seg.out_sids, fn(*[current[sid] for sid in seg.in_sids], *rt)))
+        else:
+            reason = seg.state
+            if reason is None:
+                if plan.seen < config.adaptive_compile_after:
+                    reason = "first sighting"
+                elif _churning():
+                    reason = "regions keep changing"
+                else:
+                    reason = "compiling"
+                    _submit(seg, plan.device, [current[sid] for sid in seg.in_sids] + list(rt))
+            metrics.region_unfused[reason] += 1
+            _interpret(seg.ops, current, rt, _run_op)
+        if split:
+            current = {sid: current[sid] for sid in seg.carry}
+    return [current[sid] for sid in plan.live]
+
+
+def _interpret(ops, current, runtime, call):
+    """Run recorded ops in order on the buffers in ``current`` (storage id -> buffer), in place."""
+    position = 0
+    for exe, input_sids, out_sids, n_runtime in ops:
+        results = call(exe, [current[sid] for sid in input_sids], runtime[position:position + n_runtime])
+        position += n_runtime
+        k = 0
+        for sid in out_sids:
+            if sid is not None:
+                current[sid] = results[k]
+                k += 1
+        for slot in exe.writes:
+            current[input_sids[slot]] = results[k]
+            k += 1
+
+
+def _run_op(exe, bufs, runtime):
+    """One recorded op through its per-op executable, exactly as plain eager runs it."""
+    call = exe.call
+    if call is None:
+        k = exe.key[0]
+        return k._first_call(exe, bufs, runtime, (), exe.key[4])
+    metrics.cache_hits += 1
+    return call(*bufs, *runtime)
+
+
+def _trace_op(exe, bufs, runtime):
+    time.sleep(0)   # tracing holds the GIL: let the user's thread in between ops
+    return exe.traced(*bufs, *runtime)
+
+
+def _fused(seg, device):
+    ops, in_sids, out_sids = seg.ops, seg.in_sids, seg.out_sids
+    n_in = len(in_sids)
 
     def run(*flat):
-        current = dict(zip(external_sids, flat[:n_external]))
-        position = n_external
-        for exe, input_sids, out_sids, n_runtime in ops:
-            bufs = [current[sid] for sid in input_sids]
-            results = exe.traced(*bufs, *flat[position:position + n_runtime])
-            position += n_runtime
-            k = 0
-            for sid in out_sids:
-                if sid is not None:
-                    current[sid] = results[k]
-                    k += 1
-            for slot in exe.writes:
-                current[input_sids[slot]] = results[k]
-                k += 1
-        return tuple(current[sid] for sid in live)
+        current = dict(zip(in_sids, flat[:n_in]))
+        _interpret(ops, current, flat[n_in:], _trace_op)
+        return tuple(current[sid] for sid in out_sids)
 
-    return jax.jit(run)
+    return jax.jit(run, out_shardings=kernel._sharding(device))
+
+
+# -- the background compiler ----------------------------------------------------------------------
+_jobs: queue.Queue = queue.Queue()
+_pending = 0
+_idle = threading.Condition()
+_worker = None
+_closing = False
+
+
+def _submit(seg, device, sample):
+    global _pending, _worker
+    seg.state = "compiling"
+    with _idle:
+        _pending += 1
+        if _worker is None:
+            _worker = threading.Thread(target=_compile_loop, name="torchneuron-region-compiler", daemon=True)
+            _worker.start()
+    _jobs.put((seg, device, sample))
+
+
+def _compile_loop():
+    global _pending
+    with contextlib.suppress(OSError, AttributeError):
+        # Linux threads have their own nice value: the user's thread keeps the CPU first.
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), int(os.environ.get("TN_NICE", "5")))
+    while True:
+        seg, device, sample = _jobs.get()
+        if not _closing:
+            _compile(seg, device, sample)
+        with _idle:
+            _pending -= 1
+            _idle.notify_all()
+
+
+def _compile(seg, device, sample):
+    if os.environ.get("TN_DEBUG"): print("compile start", len(seg.ops), time.perf_counter(), flush=True)
+    start = time.perf_counter()
+    try:
+        fn = _fused(seg, device)
+        # Calling it (not lower().compile()) fills jit's C++ dispatch cache with the signature the
+        # user's thread will call it with; the run itself is a pure function's, its result unused.
+        fn(*sample)
+    except Exception as err:   # the region keeps running op by op; the reason is counted
+        seg.error = f"{type(err).__name__}: {err}"
+        seg.state = "compile failed"
+    else:
+        seg.fn = fn
+        seg.state = "ready"
+        metrics.region_compiles += 1
+    metrics.region_compile_seconds += time.perf_counter() - start
+    if os.environ.get("TN_DEBUG"): print("compile end", len(seg.ops), time.perf_counter(), time.perf_counter() - start, flush=True)
+
+
+def wait_for_compiles(timeout: float | None = None) -> bool:
+    """Block until every queued region compile finished (tests, benchmarks); False on timeout."""
+    with _idle:
+        return _idle.wait_for(lambda: _pending == 0, timeout)
+
+
+def _shutdown():
+    global _closing
+    flush("exit")
+    _closing = True      # queued compiles are dropped; one in flight finishes before exit
+    wait_for_compiles()
 
 
 # -- public switches ----------------------------------------------------------------------------
@@ -172,9 +553,29 @@ def apply_mode(mode: str) -> None:
     """Follow ``config.eager_mode`` (installed as its observer by ``torchneuron.register``)."""
     if mode == "adaptive":
         kernel.recorder = region
+        if not _optimizer_hooks:
+            from torch.optim.optimizer import (  # not at the top: torch.optim is only needed here
+                register_optimizer_step_post_hook,
+                register_optimizer_step_pre_hook,
+            )
+            _optimizer_hooks.append(register_optimizer_step_pre_hook(_before_step))
+            _optimizer_hooks.append(register_optimizer_step_post_hook(_after_step))
     else:
         kernel.recorder = None
+        while _optimizer_hooks:
+            _optimizer_hooks.pop().remove()
         flush("mode change")
+
+
+_optimizer_hooks: list = []
+
+
+def _before_step(optimizer, args, kwargs):
+    flush("before optimizer step")
+
+
+def _after_step(optimizer, args, kwargs):
+    flush("optimizer step")
 
 
 @contextlib.contextmanager
@@ -189,8 +590,17 @@ def eager_mode(mode: str):
 
 
 def region_cache_size() -> int:
-    return len(_regions)
+    """How many region segments have a fused executable."""
+    return sum(1 for plan in _plans.values() for seg in plan.segments if seg.fn is not None)
 
 
+def _reads_storage(specs) -> bool:
+    for s in specs:
+        if isinstance(s, tuple) and s and (s[0].__class__ is torch.dtype or _reads_storage(s)):
+            return True
+    return False
+
+
+region = Region()
 memory.flush_pending = flush
-atexit.register(lambda: flush("exit"))
+atexit.register(_shutdown)

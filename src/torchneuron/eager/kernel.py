@@ -66,6 +66,8 @@ class Executable:
 
 # The adaptive-eager recorder while that mode is on (see eager/adaptive.py), else None.
 recorder = None
+# What the recorder's replay returns for a call it leaves to the full path.
+NOT_REPLAYED = object()
 
 
 _cache: dict = {}
@@ -111,6 +113,12 @@ class Kernel(OpSignature):
     # -- the hot path ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         metrics.op_calls[self.short_name] += 1
+        rec = recorder
+        if rec is not None:   # adaptive eager replaying a known op sequence: no key to build
+            out = rec.replay(self, args, kwargs)
+            if out is not NOT_REPLAYED:
+                return out
+        # OpSignature.bind, inlined: a method call here would cost every op.
         values = list(args)
         if len(values) < self.nargs:
             values.extend(self.defaults[len(values):])
