@@ -298,6 +298,7 @@ class Region:
             else:
                 plan = _plan_for((tuple(ops), tuple(self.external_sids), live), self.device)
             external = self.external
+            metrics.region_replayed_ops += self.pos
             self.reset(None)
             metrics.regions_flushed += 1
             metrics.region_ops += len(ops)
@@ -495,7 +496,7 @@ def _compile_loop():
     global _pending
     with contextlib.suppress(OSError, AttributeError):
         # Linux threads have their own nice value: the user's thread keeps the CPU first.
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), int(os.environ.get("TN_NICE", "5")))
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)
     while True:
         seg, device, sample = _jobs.get()
         if not _closing:
@@ -506,7 +507,6 @@ def _compile_loop():
 
 
 def _compile(seg, device, sample):
-    if os.environ.get("TN_DEBUG"): print("compile start", len(seg.ops), time.perf_counter(), flush=True)
     start = time.perf_counter()
     try:
         fn = _fused(seg, device)
@@ -521,7 +521,6 @@ def _compile(seg, device, sample):
         seg.state = "ready"
         metrics.region_compiles += 1
     metrics.region_compile_seconds += time.perf_counter() - start
-    if os.environ.get("TN_DEBUG"): print("compile end", len(seg.ops), time.perf_counter(), time.perf_counter() - start, flush=True)
 
 
 def wait_for_compiles(timeout: float | None = None) -> bool:
@@ -587,6 +586,15 @@ def eager_mode(mode: str):
         yield
     finally:
         set_eager_mode(previous)
+
+
+def clear_region_cache() -> None:
+    """Forget every region plan and fused executable (the next occurrences start as first sightings)."""
+    with region.lock:
+        _plans.clear()
+        _starts.clear()
+        _recent.clear()
+        region.prev = region.cursor = None
 
 
 def region_cache_size() -> int:
