@@ -1,17 +1,31 @@
-"""Adaptive eager vs plain eager vs CPU eager, measured side by side in one run.
+"""Adaptive eager vs plain eager vs CPU eager, measured side by side.
 
-Two workloads: a small-op-heavy MLP training loop, and the GPT-style model's eager training step
-(the model from bench/compile.py). Each is timed per step (median of several repeats, after a
-warm-up that compiles everything), then printed as ratios.
+Loops (each a training step: zero_grad, forward, cross-entropy, backward, AdamW):
 
-    .venv/bin/python bench/adaptive.py [--steps 20] [--repeats 3] [--gpt-layers 2]
+- ``mlp``: a small-op-heavy MLP that reads ``loss.item()`` every step,
+- ``mlp-read10``: the same MLP reading the loss every 10th step (how most scripts log),
+- ``mlp-noread``: the same MLP reading nothing until the end,
+- ``gpt``: the GPT-style model from bench/compile.py, reading the loss every step.
+
+Two measurements per loop and configuration:
+
+- steady state: seconds per step, median of ``--repeats`` blocks of ``--steps`` steps, after a
+  warm-up that compiles everything (for adaptive, also its background region compiles); the three
+  configurations run in one process, one after the other, block by block interleaved;
+- first steps: the first ``--first`` steps of a fresh process (compiles included), each
+  configuration in its own child process, ``--first-repeats`` times interleaved, median.
+
+    .venv/bin/python bench/adaptive.py [--steps 20] [--repeats 5] [--first 20] [--first-repeats 1]
+        [--loops mlp,mlp-read10,mlp-noread,gpt] [--gpt-layers 2] [--skip-first]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -20,12 +34,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchneuron
+from torchneuron.eager import adaptive
 
 sys.path.insert(0, os.path.dirname(__file__))
 from compile import GPT  # noqa: E402  (the shared GPT-style model)
 
+CONFIGS = ("cpu", "plain", "adaptive")
 
-def mlp_workload(device):
+
+def mlp_workload(device, read_every):
     torch.manual_seed(0)
     layers = []
     for _ in range(6):
@@ -35,12 +52,14 @@ def mlp_workload(device):
     x = torch.randn(32, 64).to(device)
     y = torch.randint(0, 10, (32,)).to(device)
 
-    def step():
+    def step(i):
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
-        return loss.item()  # a host read per step, as in a typical loop that logs the loss
+        if read_every and i % read_every == 0:
+            loss.item()   # a host read, as in a loop that logs the loss
+        return loss
 
     return step
 
@@ -54,52 +73,124 @@ def gpt_workload(device, layers):
     idx = torch.randint(0, 512, (4, 64), generator=g).to(device)
     tgt = torch.randint(0, 512, (4, 64), generator=g).to(device)
 
-    def step():
+    def step(i):
         opt.zero_grad()
         logits = model(idx)
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), tgt.view(-1))
         loss.backward()
         opt.step()
-        return loss.item()
+        loss.item()
+        return loss
 
     return step
 
 
-def seconds_per_step(step, steps, repeats):
-    for _ in range(3):   # warm-up: compiles every executable / region
-        step()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        samples.append((time.perf_counter() - start) / steps)
-    return statistics.median(samples)
+def make_loop(name, device, args):
+    if name == "gpt":
+        return gpt_workload(device, args.gpt_layers)
+    read_every = {"mlp": 1, "mlp-read10": 10, "mlp-noread": 0}[name]
+    return mlp_workload(device, read_every)
 
 
-def run(name, make, args):
-    cpu = seconds_per_step(make("cpu"), args.steps, args.repeats)
-    with torchneuron.eager_mode("plain"):
-        plain = seconds_per_step(make("neuron"), args.steps, args.repeats)
-    with torchneuron.eager_mode("adaptive"):
-        torchneuron.metrics.reset()
-        adaptive = seconds_per_step(make("neuron"), args.steps, args.repeats)
-        m = torchneuron.metrics()
-    ops_per_region = m["region_ops"] / max(m["regions_flushed"], 1)
-    print(f"{name:14} cpu {cpu * 1e3:8.2f} ms  plain {plain * 1e3:8.2f} ms  adaptive {adaptive * 1e3:8.2f} ms"
-          f" | adaptive vs plain {plain / adaptive:5.2f}x  vs cpu {cpu / adaptive:5.2f}x"
-          f" | {ops_per_region:.0f} ops/region, {m['region_compiles']} region compiles")
+def run_steps(step, start, count):
+    """``count`` steps, then read the last loss: pending work is part of the time."""
+    loss = None
+    for i in range(start, start + count):
+        loss = step(i)
+    loss.item()
+
+
+class Config:
+    def __init__(self, name, loop, args):
+        self.name = name
+        self.mode = "plain" if name == "cpu" else name
+        with torchneuron.eager_mode(self.mode):
+            self.step = make_loop(loop, "cpu" if name == "cpu" else "neuron", args)
+        self.done = 0
+        self.samples = []
+
+    def run(self, count, record):
+        with torchneuron.eager_mode(self.mode):
+            time.sleep(0.2)   # let the previous configuration's worker threads go idle
+            start = time.perf_counter()
+            run_steps(self.step, self.done, count)
+            elapsed = time.perf_counter() - start
+        self.done += count
+        if record:
+            self.samples.append(elapsed / count)
+
+
+def steady(loop, args):
+    configs = [Config(name, loop, args) for name in CONFIGS]
+    for c in configs:
+        c.run(5, False)
+        if c.name == "adaptive":
+            adaptive.wait_for_compiles()
+            c.run(5, False)
+    torchneuron.metrics.reset()
+    for _ in range(args.repeats):
+        for c in configs:
+            c.run(args.steps, True)
+    m = torchneuron.metrics()
+    return {c.name: statistics.median(c.samples) for c in configs}, m
+
+
+def first_steps_child(loop, config, args):
+    c = Config(config, loop, args)
+    start = time.perf_counter()
+    c.run(args.first, False)
+    elapsed = time.perf_counter() - start
+    m = torchneuron.metrics()
+    print(json.dumps({"seconds": elapsed, "region_compiles": m["region_compiles"],
+                      "fused_runs": m["region_cache_hits"]}))
+
+
+def first_steps(loop, args):
+    results = {name: [] for name in CONFIGS}
+    extra = {}
+    for _ in range(args.first_repeats):
+        for name in CONFIGS:
+            cmd = [sys.executable, __file__, "--child", loop, name, "--first", str(args.first),
+                   "--gpt-layers", str(args.gpt_layers)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            data = json.loads(out.strip().splitlines()[-1])
+            results[name].append(data["seconds"])
+            extra[name] = data
+    return {name: statistics.median(v) for name, v in results.items()}, extra
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--first", type=int, default=20)
+    parser.add_argument("--first-repeats", type=int, default=1)
+    parser.add_argument("--loops", default="mlp,mlp-read10,mlp-noread,gpt")
     parser.add_argument("--gpt-layers", type=int, default=2)
+    parser.add_argument("--skip-first", action="store_true")
+    parser.add_argument("--child", nargs=2, metavar=("LOOP", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    print("throughput ratios are speed-ups (higher is better for adaptive)")
-    run("mlp loop", mlp_workload, args)
-    run("gpt step", lambda d: gpt_workload(d, args.gpt_layers), args)
+    if args.child:
+        first_steps_child(*args.child, args)
+        return
+    print(f"load average at start: {os.getloadavg()[0]:.1f}")
+    print("ratios are speed-ups of adaptive (higher is better)")
+    for loop in args.loops.split(","):
+        t, m = steady(loop, args)
+        ops = m["region_ops"] / max(m["regions_flushed"], 1)
+        print(f"{loop:11} steady  cpu {t['cpu'] * 1e3:8.2f} ms  plain {t['plain'] * 1e3:8.2f} ms  "
+              f"adaptive {t['adaptive'] * 1e3:8.2f} ms | vs plain {t['plain'] / t['adaptive']:5.2f}x  "
+              f"vs cpu {t['cpu'] / t['adaptive']:5.2f}x | {ops:.0f} ops/region, "
+              f"{m['region_cache_hits']} fused / {sum(m['region_unfused'].values())} op-by-op segment runs, "
+              f"{m['region_replayed_ops'] / max(m['region_ops'], 1):.0%} ops replayed", flush=True)
+        if not args.skip_first:
+            f, extra = first_steps(loop, args)
+            print(f"{loop:11} first {args.first:2d} cpu {f['cpu']:8.2f} s   plain {f['plain']:8.2f} s   "
+                  f"adaptive {f['adaptive']:8.2f} s  | vs plain {f['plain'] / f['adaptive']:5.2f}x  "
+                  f"vs cpu {f['cpu'] / f['adaptive']:5.2f}x | adaptive: "
+                  f"{extra['adaptive']['region_compiles']} regions compiled in time, "
+                  f"{extra['adaptive']['fused_runs']} fused runs", flush=True)
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
