@@ -121,7 +121,7 @@ class Config:
 
 
 def steady(loop, args):
-    configs = [Config(name, loop, args) for name in CONFIGS]
+    configs = [Config(name, loop, args) for name in args.configs]
     for c in configs:
         c.run(5, False)
         if c.name == "adaptive":
@@ -146,10 +146,10 @@ def first_steps_child(loop, config, args):
 
 
 def first_steps(loop, args):
-    results = {name: [] for name in CONFIGS}
+    results = {name: [] for name in args.configs}
     extra = {}
     for _ in range(args.first_repeats):
-        for name in CONFIGS:
+        for name in args.configs:
             cmd = [sys.executable, __file__, "--child", loop, name, "--first", str(args.first),
                    "--gpt-layers", str(args.gpt_layers)]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -157,6 +157,16 @@ def first_steps(loop, args):
             results[name].append(data["seconds"])
             extra[name] = data
     return {name: statistics.median(v) for name, v in results.items()}, extra
+
+
+def _times(t, scale, unit):
+    return "  ".join(f"{name} {t[name] * scale:8.2f} {unit}" for name in CONFIGS if name in t)
+
+
+def _ratios(t):
+    if "adaptive" not in t:
+        return ""
+    return "  ".join(f"vs {name} {t[name] / t['adaptive']:5.2f}x" for name in ("plain", "cpu") if name in t)
 
 
 def main():
@@ -168,8 +178,10 @@ def main():
     parser.add_argument("--loops", default="mlp,mlp-read10,mlp-noread,gpt")
     parser.add_argument("--gpt-layers", type=int, default=2)
     parser.add_argument("--skip-first", action="store_true")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="a subset of cpu,plain,adaptive")
     parser.add_argument("--child", nargs=2, metavar=("LOOP", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.configs = args.configs.split(",")
     if args.child:
         first_steps_child(*args.child, args)
         return
@@ -178,18 +190,15 @@ def main():
     for loop in args.loops.split(","):
         t, m = steady(loop, args)
         ops = m["region_ops"] / max(m["regions_flushed"], 1)
-        print(f"{loop:11} steady  cpu {t['cpu'] * 1e3:8.2f} ms  plain {t['plain'] * 1e3:8.2f} ms  "
-              f"adaptive {t['adaptive'] * 1e3:8.2f} ms | vs plain {t['plain'] / t['adaptive']:5.2f}x  "
-              f"vs cpu {t['cpu'] / t['adaptive']:5.2f}x | {ops:.0f} ops/region, "
+        print(f"{loop:11} steady  {_times(t, 1e3, 'ms')} | {_ratios(t)} | {ops:.0f} ops/region, "
               f"{m['region_cache_hits']} fused / {sum(m['region_unfused'].values())} op-by-op segment runs, "
               f"{m['region_replayed_ops'] / max(m['region_ops'], 1):.0%} ops replayed", flush=True)
         if not args.skip_first:
             f, extra = first_steps(loop, args)
-            print(f"{loop:11} first {args.first:2d} cpu {f['cpu']:8.2f} s   plain {f['plain']:8.2f} s   "
-                  f"adaptive {f['adaptive']:8.2f} s  | vs plain {f['plain'] / f['adaptive']:5.2f}x  "
-                  f"vs cpu {f['cpu'] / f['adaptive']:5.2f}x | adaptive: "
-                  f"{extra['adaptive']['region_compiles']} regions compiled in time, "
-                  f"{extra['adaptive']['fused_runs']} fused runs", flush=True)
+            a = extra.get("adaptive", {})
+            print(f"{loop:11} first {args.first:2d} {_times(f, 1, 's ')} | {_ratios(f)} | adaptive: "
+                  f"{a.get('region_compiles')} regions compiled in time, {a.get('fused_runs')} fused runs",
+                  flush=True)
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 

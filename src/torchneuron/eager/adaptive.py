@@ -41,6 +41,8 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import math
+import operator
 import os
 import queue
 import threading
@@ -65,6 +67,12 @@ _freeze = kernel._freeze
 _scalar_array = kernel.scalar_array
 _graph_task_id = torch._C._current_graph_task_id
 _LISTS = (TENSOR_LIST, OPT_TENSOR_LIST)
+_dtype_of = operator.attrgetter("dtype")
+_shape_of = operator.attrgetter("shape")
+_offset_of = torch.Tensor.storage_offset
+_stride_of = torch.Tensor.stride
+_data_ptr_of = torch.Tensor.data_ptr
+_layouts: dict = {}   # executable -> how to allocate each of its outputs
 
 
 class Region:
@@ -116,59 +124,99 @@ class Region:
             if cursor is None:
                 return _NOT_REPLAYED
             pos = self.pos
-            entry = cursor.ops[pos] if pos < len(cursor.ops) else None
-            exe = entry[0] if entry is not None else None
-            key = exe.key if exe is not None else None
-            if key is None or key[0] is not k:
+            check = cursor.check(pos) if pos < len(cursor.ops) else None
+            if check is None or check.kernel is not k:
                 self.cursor = None
                 return _NOT_REPLAYED
             values = k.bind(args, kwargs)
-            if k.static and tuple(_freeze(values[i]) for i in k.static) != key[2]:
+            if check.statics is not None and tuple(_freeze(values[i]) for i in k.static) != check.statics:
                 self.cursor = None
                 return _NOT_REPLAYED
             n_addr, n_ext, n_rt = len(self.addr_of), len(self.external), len(self.runtime)
-            if not self._match_inputs(k, values, key, entry[1]):
+            if not self._match_inputs(check, values):
                 self._rollback(n_addr, n_ext, n_rt)
                 self.cursor = None
                 return _NOT_REPLAYED
-            device = key[4]
-            if k.lowering.random:
+            if check.random is not None:
                 # As the full path: the generator of the inputs' device, else of the current device.
-                gen_device = device if _reads_storage(key[1]) else current_device()
+                gen_device = check.random if check.random >= 0 else current_device()
                 self.runtime.extend(rng.generator(gen_device).next_key_inputs())
-            outs = self._new_outputs(exe, device)[0]
-            addr_of = self.addr_of
-            input_sids = entry[1]
-            for slot in exe.writes:
-                sid = input_sids[slot]
+            outs = self._new_outputs(check.exe, check.device)[0]
+            addr_of, results = self.addr_of, self.results
+            for sid in check.written:
                 _records[addr_of[sid]].buf = PENDING
-                self.results.add(sid)
-            self.ops.append(entry)
-            self.device = device
+                results.add(sid)
+            self.ops.append(check.entry)
+            self.device = check.device
             self.pos = pos + 1
             full = len(self.ops) >= config.adaptive_max_ops
         if full:
             self.flush("size limit")
         return k.returned(outs, values)
 
-    def _match_inputs(self, k, values, key, input_sids):
-        kinds = k.kinds
-        match = self._match
-        for i, spec in zip(k.dynamic, key[1]):
-            v = values[i]
-            if kinds[i] in _LISTS:
+    def _match_inputs(self, check, values):
+        """Whether the call's arguments give the executable's key, with the storage wiring the plan
+        recorded (collecting runtime values and new external storages on the way)."""
+        sid_of = self.sid_of
+        for arg in check.args:
+            tag = arg[0]
+            v = values[arg[1]]
+            if tag is _VIEW:
+                _, _, dtype, sizes, strides, offset, off_bytes, sid, storage = arg
+                try:
+                    if v.dtype is not dtype or v.storage_offset() != offset or v.stride() != strides \
+                            or v.shape != sizes:
+                        return False
+                    addr = v.data_ptr() - off_bytes
+                except AttributeError:           # not a tensor
+                    return False
+                known = sid_of.get(addr)
+                if known != sid and (known is not None or not self._external(addr, sid, storage, check.device)):
+                    return False
+            elif tag is _VIEW_LIST:
+                _, _, dtypes, shapes, strides, offsets, off_bytes, sids, storages = arg
+                try:
+                    if v is None or len(v) != len(sids) or tuple(map(_dtype_of, v)) != dtypes \
+                            or tuple(map(_offset_of, v)) != offsets or tuple(map(_stride_of, v)) != strides \
+                            or tuple(map(_shape_of, v)) != shapes:
+                        return False
+                    addrs = list(map(operator.sub, map(_data_ptr_of, v), off_bytes))
+                except (AttributeError, TypeError):
+                    return False
+                if list(map(sid_of.get, addrs)) != sids:
+                    # New external storages (or a different wiring): element by element, in order.
+                    for addr, sid, storage in zip(addrs, sids, storages):
+                        known = sid_of.get(addr)
+                        if known != sid and (known is not None
+                                             or not self._external(addr, sid, storage, check.device)):
+                            return False
+            elif tag is _LIST:
+                spec = arg[2]
                 if v is None or len(v) != len(spec):
                     return False
                 for t, s in zip(v, spec):
-                    if not match(t, s, key, input_sids):
+                    if not self._match(t, s, arg[3], check):
                         return False
-            elif not match(v, spec, key, input_sids):
+            elif not self._match(v, arg[2], arg[3], check):
                 return False
         return True
 
-    def _match(self, v, spec, key, input_sids):
-        """Whether ``v`` gives ``spec`` in the executable key (collecting its runtime value or its
-        storage on the way, as ``kernel._KeyContext`` would)."""
+    def _external(self, addr, sid, storage, device):
+        """Register a storage first read by this op as the region's next external input, if it is
+        the one the plan expects there."""
+        if sid != len(self.addr_of):
+            return False
+        rec = _records.get(addr)
+        if rec is None or rec.device_index != device or rec.numel != storage[0] or rec.dtype is not storage[1]:
+            return False
+        self.sid_of[addr] = sid
+        self.addr_of.append(addr)
+        self.external.append(rec.buf if rec.buf is not None else memory.empty_buffer(rec))
+        self.external_sids.append(sid)
+        return True
+
+    def _match(self, v, spec, sids, check):
+        """``_match_inputs`` for one argument of an unusual kind (scalars, masked or CPU tensors)."""
         if spec is None:
             return v is None
         if spec.__class__ is type:               # a runtime scalar of this Python type
@@ -186,21 +234,9 @@ class Region:
             addr = v.data_ptr() - spec[3] * dtype.itemsize
         except AttributeError:                   # not a tensor
             return False
-        slot = spec[4]
-        sid = input_sids[slot]
+        sid = sids[spec[4]]
         known = self.sid_of.get(addr)
-        if known is not None:
-            return known == sid
-        if sid != len(self.addr_of):
-            return False
-        rec = _records.get(addr)
-        if rec is None or rec.device_index != key[4] or (rec.numel, rec.dtype) != key[3][slot]:
-            return False
-        self.sid_of[addr] = sid
-        self.addr_of.append(addr)
-        self.external.append(rec.buf if rec.buf is not None else memory.empty_buffer(rec))
-        self.external_sids.append(sid)
-        return True
+        return known == sid or (known is None and self._external(addr, sid, check.storages[spec[4]], check.device))
 
     def _match_unusual(self, v, spec):
         if not isinstance(v, torch.Tensor):
@@ -224,20 +260,20 @@ class Region:
     def _new_outputs(self, exe, device):
         """The op's outputs as real neuron storages whose buffers the region will produce, and their
         storage ids."""
+        layouts = _layouts.get(exe)
+        if layouts is None:
+            layouts = _layouts[exe] = tuple(None if spec is None else memory.storage_layout(
+                spec[1], spec[2], spec[0], math.prod(spec[1]) * spec[0].itemsize) for spec in exe.out_specs)
         outs, sids = [], []
-        for spec in exe.out_specs:
-            if spec is None:
+        new = memory.allocator.new_from_layout
+        for layout in layouts:
+            if layout is None:
                 outs.append(None)
                 sids.append(None)
                 continue
-            dtype, sizes, strides = spec
-            numel = 1
-            for s in sizes:
-                numel *= s
-            t = memory.allocator.new_tensor(sizes, strides, dtype, device, buf=PENDING,
-                                            storage_nbytes=numel * dtype.itemsize)
+            t = new(layout, device, PENDING)
             sid = len(self.addr_of)
-            addr = t.untyped_storage().data_ptr()
+            addr = t.data_ptr()
             self.sid_of[addr] = sid
             self.addr_of.append(addr)
             self.results.add(sid)
@@ -333,7 +369,7 @@ class Segment:
 
 
 class Plan:
-    __slots__ = ("ops", "external_sids", "live", "device", "segments", "seen", "next")
+    __slots__ = ("ops", "external_sids", "live", "device", "segments", "seen", "next", "checks")
 
     def __init__(self, structure, device):
         self.ops, self.external_sids, self.live = structure
@@ -343,6 +379,57 @@ class Plan:
         self.segments = _segments(self.ops, self.live, max(1, config.adaptive_segment_ops))
         if len(self.segments) > 1:
             metrics.region_splits += 1
+        self.checks = [None] * len(self.ops)
+
+    def check(self, pos):
+        """How a call is checked against op ``pos`` when this plan is replayed (built on first use)."""
+        check = self.checks[pos]
+        if check is None:
+            check = self.checks[pos] = _OpCheck(self.ops[pos])
+        return check
+
+
+# Argument checks of a replayed op: a tensor view, a list of views, a list or a single argument of
+# another kind (checked by Region._match).
+_VIEW, _VIEW_LIST, _LIST, _OTHER = "view", "view list", "list", "other"
+
+
+def _is_view(spec) -> bool:
+    return isinstance(spec, tuple) and len(spec) == 5 and spec[0].__class__ is torch.dtype
+
+
+class _OpCheck:
+    """One plan op as the replay checks it: its executable key unpacked per argument, the storage
+    ids each tensor must sit on, and what the op writes."""
+
+    __slots__ = ("entry", "exe", "kernel", "statics", "args", "storages", "device", "random", "written")
+
+    def __init__(self, entry):
+        exe, input_sids, _, _ = entry
+        k, specs, statics, storages, device = exe.key
+        self.entry, self.exe, self.kernel = entry, exe, k
+        self.statics = statics if k.static else None
+        self.storages, self.device = storages, device
+        self.args = []
+        for i, spec in zip(k.dynamic, specs):
+            if k.kinds[i] in _LISTS:
+                if spec and all(_is_view(s) for s in spec):
+                    self.args.append((_VIEW_LIST, i, tuple(s[0] for s in spec), tuple(s[1] for s in spec),
+                                      tuple(s[2] for s in spec), tuple(s[3] for s in spec),
+                                      tuple(s[3] * s[0].itemsize for s in spec),
+                                      [input_sids[s[4]] for s in spec], [storages[s[4]] for s in spec]))
+                else:
+                    self.args.append((_LIST, i, spec, input_sids))
+            elif _is_view(spec):
+                dtype, sizes, strides, offset, slot = spec
+                self.args.append((_VIEW, i, dtype, sizes, strides, offset, offset * dtype.itemsize,
+                                  input_sids[slot], storages[slot]))
+            else:
+                self.args.append((_OTHER, i, spec, input_sids))
+        # The generator a random op draws from: the inputs' device, or (no tensor inputs) the current
+        # device, as Kernel.__call__ picks it (-1).
+        self.random = (device if _reads_storage(specs) else -1) if k.lowering.random else None
+        self.written = tuple(input_sids[slot] for slot in exe.writes)
 
 
 def _segments(ops, live, size):
