@@ -10,12 +10,15 @@ Loops (each a training step: zero_grad, forward, cross-entropy, backward, AdamW)
 Two measurements per loop and configuration:
 
 - steady state: seconds per step, median of ``--repeats`` blocks of ``--steps`` steps, after a
-  warm-up that compiles everything (for adaptive, also its background region compiles); the three
-  configurations run in one process, one after the other, block by block interleaved;
-- first steps: the first ``--first`` steps of a fresh process (compiles included), each
-  configuration in its own child process, ``--first-repeats`` times interleaved, median.
+  warm-up that compiles everything (for adaptive, also its background region compiles, with the
+  compile budget lifted for the warm-up); the three
+  configurations run in one process, block by block interleaved, and each ratio is the median of
+  the ratios of blocks that ran back to back (robust to the load changing between rounds);
+- first steps: the first ``--first`` steps of a fresh process (compiles included, default
+  settings), each configuration in its own child process, ``--first-repeats`` times interleaved,
+  median.
 
-    .venv/bin/python bench/adaptive.py [--steps 20] [--repeats 5] [--first 20] [--first-repeats 1]
+    .venv/bin/python bench/adaptive.py [--steps 10] [--repeats 15] [--first 20] [--first-repeats 1]
         [--loops mlp,mlp-read10,mlp-noread,gpt] [--gpt-layers 2] [--skip-first]
 """
 
@@ -122,17 +125,29 @@ class Config:
 
 def steady(loop, args):
     configs = [Config(name, loop, args) for name in args.configs]
+    # Steady state is after every region compiled: lift the compile budget for the warm-up.
+    budget = torchneuron.config.adaptive_compile_budget
+    torchneuron.config.adaptive_compile_budget = 1.0
     for c in configs:
         c.run(5, False)
         if c.name == "adaptive":
             adaptive.wait_for_compiles()
             c.run(5, False)
+    torchneuron.config.adaptive_compile_budget = budget
     torchneuron.metrics.reset()
     for _ in range(args.repeats):
         for c in configs:
             c.run(args.steps, True)
     m = torchneuron.metrics()
-    return {c.name: statistics.median(c.samples) for c in configs}, m
+    times = {c.name: statistics.median(c.samples) for c in configs}
+    # Ratios from the blocks that ran back to back: a load change between rounds cancels out.
+    by_name = {c.name: c.samples for c in configs}
+    if "adaptive" in by_name:
+        for name in ("plain", "cpu"):
+            if name in by_name:
+                times[f"{name}/adaptive"] = statistics.median(
+                    a / b for a, b in zip(by_name[name], by_name["adaptive"]))
+    return times, m
 
 
 def first_steps_child(loop, config, args):
@@ -166,13 +181,14 @@ def _times(t, scale, unit):
 def _ratios(t):
     if "adaptive" not in t:
         return ""
-    return "  ".join(f"vs {name} {t[name] / t['adaptive']:5.2f}x" for name in ("plain", "cpu") if name in t)
+    return "  ".join(f"vs {name} {t.get(f'{name}/adaptive', t[name] / t['adaptive']):5.2f}x"
+                     for name in ("plain", "cpu") if name in t)
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--first", type=int, default=20)
     parser.add_argument("--first-repeats", type=int, default=1)
     parser.add_argument("--loops", default="mlp,mlp-read10,mlp-noread,gpt")

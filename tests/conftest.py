@@ -25,8 +25,10 @@ def _fresh_metrics():
 
 
 @pytest.fixture(params=["plain", "adaptive"])
-def both_eager_modes(request):
-    """Run the test in plain eager mode and again in adaptive eager mode (parity in both)."""
+def both_eager_modes(request, monkeypatch):
+    """Run the test in plain eager mode and again in adaptive eager mode (parity in both; regions
+    compile as soon as they repeat, so the fused path runs too)."""
+    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 1.0)
     with torchneuron.eager_mode(request.param):
         yield request.param
 

@@ -22,9 +22,10 @@ from conftest import cpu_only
 
 
 @pytest.fixture
-def adaptive():
+def adaptive(monkeypatch):
     adaptive_mode.wait_for_compiles()   # nothing from an earlier test lands in this one's metrics
     adaptive_mode.clear_region_cache()
+    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 1.0)   # compile when repeated
     torchneuron.metrics.reset()
     torchneuron.set_eager_mode("adaptive")
     yield
@@ -262,6 +263,45 @@ def test_regions_that_keep_changing_stop_being_compiled():
 
 
 @pytest.mark.usefixtures("adaptive")
+def test_background_compiles_wait_for_their_share_of_the_run_time(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(adaptive_mode, "_now", lambda: clock[0])
+    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 0.1)
+    budget = adaptive_mode.budget
+    budget.stop()
+    budget.reset()
+    budget.start()
+    x = torch.arange(4.0).to("neuron")
+    cost = budget.estimate(3)
+
+    def occurrence():
+        assert (x * 2 + 1).sum().item() == 16.0
+
+    occurrence()
+    occurrence()                       # repeated, but no time has passed: nothing to spend
+    assert m("region_unfused") == {"first sighting": 1, "waiting for compile budget": 1}
+    clock[0] += 0.9 * cost / 0.1       # 90% of the run time the compile needs at a 10% share
+    occurrence()
+    assert m("region_unfused")["waiting for compile budget"] == 2 and m("region_compiles") == 0
+    clock[0] += 0.1 * cost / 0.1
+    occurrence()                       # now affordable: queued
+    adaptive_mode.wait_for_compiles()
+    occurrence()
+    assert m("region_unfused")["compiling"] == 1
+    assert m("region_compiles") == 1 and m("region_cache_hits") == 1
+    # Time spent in plain mode earns nothing.
+    budget.stop()
+    tokens = budget.tokens
+    budget.start()
+    torchneuron.set_eager_mode("plain")
+    clock[0] += 100.0
+    torchneuron.set_eager_mode("adaptive")
+    budget.stop()
+    assert budget.tokens == tokens
+    budget.start()
+
+
+@pytest.mark.usefixtures("adaptive")
 def test_a_region_too_long_for_one_executable_is_split(monkeypatch):
     monkeypatch.setattr(torchneuron.config, "adaptive_segment_ops", 3)
     x = torch.arange(5.0).to("neuron")
@@ -357,7 +397,8 @@ def _dropout_stream():
     return y.detach().cpu(), x.grad.cpu()
 
 
-def test_rng_streams_and_autograd_identical_to_plain():
+def test_rng_streams_and_autograd_identical_to_plain(monkeypatch):
+    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 1.0)
     plain = _dropout_stream()
     with torchneuron.eager_mode("adaptive"):
         adaptive_mode.wait_for_compiles()
@@ -391,7 +432,8 @@ def _memory_trace():
     return trace
 
 
-def test_memory_statistics_identical_to_plain():
+def test_memory_statistics_identical_to_plain(monkeypatch):
+    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 1.0)
     plain = _memory_trace()
     with torchneuron.eager_mode("adaptive"):
         adaptive_mode.wait_for_compiles()

@@ -266,8 +266,10 @@ def test_failing_op_is_a_blocker_with_its_call_site(tmp_path):
     assert row["failed"] == 1 and row["path"] == "cpu" and "TORCHNEURON_FALLBACK" in row["error"]
 
 
-def test_adaptive_regions_that_keep_changing_are_reported(tmp_path):
+def test_adaptive_regions_that_keep_changing_are_reported(tmp_path, monkeypatch):
     from torchneuron.eager import adaptive
+
+    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 1.0)
 
     adaptive.wait_for_compiles()
     adaptive.clear_region_cache()

@@ -51,6 +51,9 @@ class Config:
     adaptive_segment_ops: int = 256
     # How many times a region must occur before its fused executable is compiled (in the background).
     adaptive_compile_after: int = 2
+    # Largest share of the time adaptive mode is on that background region compiles may take
+    # (1 or more: no limit). Compiles wait until the program has run long enough to afford them.
+    adaptive_compile_budget: float = 0.1
     # torch.compile: an op without a lowering fails the compile, or the graph runs eagerly.
     compile_fallback: str = "error"
     # Persistent compilation cache for torch.compile executables ("" disables it).
@@ -90,6 +93,8 @@ class Config:
                 continue
             if f.type in ("int", int):
                 value = int(raw)
+            elif f.type in ("float", float):
+                value = float(raw)
             elif f.type in ("bool", bool):
                 value = _parse_bool(f.name, raw)
             elif f.name in _CHOICES or f.name == "platform":

@@ -507,6 +507,8 @@ def _run(plan, external, runtime):
                     reason = "first sighting"
                 elif _churning():
                     reason = "regions keep changing"
+                elif not budget.take(len(seg.ops)):
+                    reason = "waiting for compile budget"
                 else:
                     reason = "compiling"
                     _submit(seg, plan.device, [current[sid] for sid in seg.in_sids] + list(rt))
@@ -561,6 +563,69 @@ def _fused(seg, device):
 
 
 # -- the background compiler ----------------------------------------------------------------------
+_now = time.perf_counter
+
+
+class CompileBudget:
+    """Background compiles take CPU time from the program (on a two-core machine, from its own
+    threads). They may use at most ``config.adaptive_compile_budget`` of the time adaptive mode has
+    been on: a token bucket filling at that rate (capped, so a long run cannot save up a burst)
+    that a compile draws from at its estimated cost when queued, corrected by its measured wall time
+    when done. So a region compiles only once the program has run long enough to afford it, and
+    background compiles cannot slow any stretch of the program down by much more than that share."""
+
+    CAPACITY = 3.0   # seconds of compile the bucket holds; a costlier compile waits for a full bucket
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        self.tokens = 0.0
+        self.since = None        # when adaptive mode was last switched on (None: it is off)
+        self.scale = 1.0         # measured / modelled compile seconds, averaged
+
+    def start(self):
+        with self.lock:
+            if self.since is None:
+                self.since = _now()
+
+    def stop(self):
+        with self.lock:
+            self._fill()
+            self.since = None
+
+    def _fill(self):
+        if self.since is not None:
+            now = _now()
+            self.tokens = min(self.CAPACITY, self.tokens + (now - self.since) * config.adaptive_compile_budget)
+            self.since = now
+
+    def estimate(self, n_ops: int) -> float:
+        return (0.3 + 0.01 * n_ops) * self.scale   # seconds; fitted to XLA:CPU region compiles
+
+    def take(self, n_ops: int) -> bool:
+        """Draw the estimated cost of compiling ``n_ops`` ops, if the bucket affords it."""
+        if config.adaptive_compile_budget >= 1:
+            return True
+        cost = self.estimate(n_ops)
+        with self.lock:
+            self._fill()
+            if self.tokens < min(cost, self.CAPACITY):
+                return False
+            self.tokens -= cost
+            return True
+
+    def settle(self, n_ops: int, seconds: float):
+        """A compile finished: charge what it really took instead of the estimate."""
+        with self.lock:
+            estimate = self.estimate(n_ops)
+            if config.adaptive_compile_budget < 1:
+                self.tokens -= seconds - estimate
+            self.scale = 0.7 * self.scale + 0.3 * self.scale * seconds / estimate
+
+
+budget = CompileBudget()
 _jobs: queue.Queue = queue.Queue()
 _pending = 0
 _idle = threading.Condition()
@@ -607,7 +672,9 @@ def _compile(seg, device, sample):
         seg.fn = fn
         seg.state = "ready"
         metrics.region_compiles += 1
-    metrics.region_compile_seconds += time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    metrics.region_compile_seconds += seconds
+    budget.settle(len(seg.ops), seconds)
 
 
 def wait_for_compiles(timeout: float | None = None) -> bool:
@@ -639,6 +706,7 @@ def apply_mode(mode: str) -> None:
     """Follow ``config.eager_mode`` (installed as its observer by ``torchneuron.register``)."""
     if mode == "adaptive":
         kernel.recorder = region
+        budget.start()
         if not _optimizer_hooks:
             from torch.optim.optimizer import (  # not at the top: torch.optim is only needed here
                 register_optimizer_step_post_hook,
@@ -648,6 +716,7 @@ def apply_mode(mode: str) -> None:
             _optimizer_hooks.append(register_optimizer_step_post_hook(_after_step))
     else:
         kernel.recorder = None
+        budget.stop()
         while _optimizer_hooks:
             _optimizer_hooks.pop().remove()
         flush("mode change")
@@ -681,6 +750,7 @@ def clear_region_cache() -> None:
         _plans.clear()
         _starts.clear()
         _recent.clear()
+        budget.tokens = 0.0
         region.prev = region.cursor = None
 
 
