@@ -9,7 +9,7 @@ storages. Instead of running, it appends itself to the pending region; its outpu
 Where regions are cut. A region ends where a training step has natural boundaries, so the same
 step produces the same regions whether or not the loop reads a value every step:
 
-- the start and the end of a backward pass (``loss.backward()``, ``torch.autograd.grad``),
+- the end of a backward pass (``loss.backward()``, ``torch.autograd.grad``),
 - before and after ``optimizer.step()`` (any ``torch.optim`` optimizer),
 - a host read (``.cpu()``, ``.item()``, printing), ``torch.neuron.synchronize()``, a CPU fallback, a
   host write into a device tensor, a collective, switching the mode off, the program exiting,
@@ -98,13 +98,13 @@ class Region:
 
     # -- cuts at autograd boundaries ------------------------------------------------------------
     def _backward_boundary(self, task):
-        """Called when the current thread's graph task differs from the one being recorded."""
+        """Called when the current thread's graph task differs from the one seen last: a backward
+        pass starts (its end will cut the region), or one ended without its callback (it raised)."""
         self.graph_task = task
         if task != -1:
-            self.flush("backward")   # the forward ends where the backward starts
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_done(task))
         else:
-            self.flush("backward end")   # a backward that ended without its callback (it raised)
+            self.flush("backward end")
 
     def _backward_done(self, task):
         with self.lock:
