@@ -247,6 +247,22 @@ def test_compile_failure_keeps_the_region_running_op_by_op(monkeypatch):
 
 
 @pytest.mark.usefixtures("adaptive")
+def test_a_region_that_fails_to_run_leaves_its_results_unreadable_with_a_clear_error(monkeypatch):
+    def failing(exe, bufs, runtime):
+        raise RuntimeError("simulated device failure")
+
+    x = torch.arange(3.0).to("neuron")
+    y = x * 2
+    with monkeypatch.context() as patch:
+        patch.setattr(adaptive_mode, "_run_op", failing)
+        with pytest.raises(RuntimeError, match="simulated device failure"):
+            y.cpu()
+    with pytest.raises(RuntimeError, match="never computed.*simulated device failure"):
+        y.cpu()
+    assert (x * 2).tolist() == [0.0, 2.0, 4.0]   # the mode goes on working
+
+
+@pytest.mark.usefixtures("adaptive")
 def test_regions_that_keep_changing_stop_being_compiled():
     # Four new region shapes for each one that repeats: most regions are new, so compiling them
     # would cost more than it returns.

@@ -326,11 +326,14 @@ class Region:
         with self.lock:
             if not self.ops:
                 return
-            ops, runtime, addr_of = self.ops, self.runtime, self.addr_of
-            live = tuple(sorted(sid for sid in self.results if addr_of[sid] in _records))
+            ops, runtime, addr_of, records = self.ops, self.runtime, self.addr_of, _records
+            live = [sid for sid in self.results if addr_of[sid] in records]
+            live.sort()
+            live = tuple(live)
             cursor = self.cursor
             if cursor is not None and self.pos == len(cursor.ops) and cursor.live == live:
                 plan = cursor      # every op replayed: the structure is known without hashing it
+                _recent.append(False)
             else:
                 plan = _plan_for((tuple(ops), tuple(self.external_sids), live), self.device)
             external = self.external
@@ -339,9 +342,19 @@ class Region:
             metrics.regions_flushed += 1
             metrics.region_ops += len(ops)
             metrics.flush_reasons[reason] += 1
-            results = _run(plan, external, runtime)
+            try:
+                results = _run(plan, external, runtime)
+            except BaseException as err:
+                # Reads of what the region would have produced raise instead of seeing PENDING.
+                failed = memory.Unavailable(f"{type(err).__name__}: {err}".splitlines()[0])
+                for sid in live:
+                    rec = records.get(addr_of[sid])
+                    if rec is not None:
+                        rec.buf = failed
+                raise
+            get = records.get
             for sid, buf in zip(live, results):
-                rec = _records.get(addr_of[sid])
+                rec = get(addr_of[sid])
                 if rec is not None:
                     rec.buf = buf
             if self.prev is not None:
@@ -369,7 +382,7 @@ class Segment:
 
 
 class Plan:
-    __slots__ = ("ops", "external_sids", "live", "device", "segments", "seen", "next", "checks")
+    __slots__ = ("ops", "external_sids", "live", "device", "segments", "seen", "next", "checks", "direct")
 
     def __init__(self, structure, device):
         self.ops, self.external_sids, self.live = structure
@@ -380,6 +393,10 @@ class Plan:
         if len(self.segments) > 1:
             metrics.region_splits += 1
         self.checks = [None] * len(self.ops)
+        # The segment whose executable maps the region's inputs to its results, if it is the only one.
+        seg = self.segments[0]
+        self.direct = seg if len(self.segments) == 1 and seg.in_sids == self.external_sids \
+            and seg.out_sids == self.live else None
 
     def check(self, pos):
         """How a call is checked against op ``pos`` when this plan is replayed (built on first use)."""
@@ -492,6 +509,10 @@ def _run(plan, external, runtime):
     """Run one occurrence of ``plan``: each segment fused if its executable is ready, else op by op
     (queuing its compile when the plan has repeated enough). Returns the buffers of ``plan.live``."""
     plan.seen += 1
+    fn = plan.direct.fn if plan.direct is not None else None
+    if fn is not None:   # one fused executable taking the region's inputs, returning its results
+        metrics.region_cache_hits += 1
+        return fn(*external, *runtime)
     current = dict(zip(plan.external_sids, external))
     split = len(plan.segments) > 1
     for seg in plan.segments:

@@ -282,11 +282,25 @@ def _nothing_pending(reason: str) -> None:
 flush_pending = _nothing_pending
 
 
+class Unavailable:
+    """Marks a storage whose buffer was never computed: the adaptive-eager region producing it
+    raised (the error reached the user where the region ran)."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+    def __repr__(self):
+        return f"<buffer never computed: {self.error}>"
+
+
 def empty_buffer(rec: StorageRecord):
     """The storage's buffer for a host-side reader: zeros if nobody wrote it yet, and the result of
     the pending adaptive-eager region if one is producing it."""
     if rec.buf is PENDING:
         flush_pending("host read")
+    if rec.buf.__class__ is Unavailable:
+        raise RuntimeError(f"torchneuron: this tensor's values were never computed, because the ops "
+                           f"producing them failed earlier ({rec.buf.error}). Recompute it.")
     if rec.buf is None:
         rec.buf = _zeros(rec.numel, rec.dtype, rec.device_index)
     return rec.buf
