@@ -129,9 +129,13 @@ class Region:
                 self.cursor = None
                 return _NOT_REPLAYED
             values = k.bind(args, kwargs)
-            if check.statics is not None and tuple(_freeze(values[i]) for i in k.static) != check.statics:
-                self.cursor = None
-                return _NOT_REPLAYED
+            for i, want in check.statics:
+                v = values[i]
+                if v.__class__ is list or v.__class__ is tuple:
+                    v = _freeze(v)
+                if v != want:
+                    self.cursor = None
+                    return _NOT_REPLAYED
             n_addr, n_ext, n_rt = len(self.addr_of), len(self.external), len(self.runtime)
             if not self._match_inputs(check, values):
                 self._rollback(n_addr, n_ext, n_rt)
@@ -425,7 +429,7 @@ class _OpCheck:
         exe, input_sids, _, _ = entry
         k, specs, statics, storages, device = exe.key
         self.entry, self.exe, self.kernel = entry, exe, k
-        self.statics = statics if k.static else None
+        self.statics = tuple(zip(k.static, statics))   # (argument index, its value in the key)
         self.storages, self.device = storages, device
         self.args = []
         for i, spec in zip(k.dynamic, specs):

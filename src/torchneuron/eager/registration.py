@@ -136,8 +136,10 @@ def _resolve_bits(v):
 
 def _resolving_math_bits(kernel, read):
     def resolved(*args, **kwargs):
-        if any(i < len(args) and _has_bits(args[i]) for i in read):
-            args = [_resolve_bits(a) if i in read else a for i, a in enumerate(args)]
+        for i in read:   # a loop, not any(<generator>): this runs on every matmul
+            if i < len(args) and _has_bits(args[i]):
+                args = [_resolve_bits(a) if i in read else a for i, a in enumerate(args)]
+                break
         return kernel(*args, **kwargs)
     return resolved
 
