@@ -19,7 +19,8 @@ Two measurements per loop and configuration:
   median.
 
     .venv/bin/python bench/adaptive.py [--steps 10] [--repeats 15] [--first 20] [--first-repeats 1]
-        [--loops mlp,mlp-read10,mlp-noread,gpt] [--gpt-layers 2] [--skip-first]
+        [--loops mlp,mlp-read10,mlp-noread,gpt] [--gpt-layers 2] [--skip-first] [--breakdown] [--recording]
+        [--configs cpu,plain,adaptive]
 """
 
 from __future__ import annotations
@@ -150,6 +151,93 @@ def steady(loop, args):
     return times, m
 
 
+def breakdown(loop, args):
+    """Where an adaptive step's time goes: each region's fused executable timed alone (inputs
+    ready, waiting for its results), next to the whole step and to CPU eager's step."""
+    import jax
+
+    budget = torchneuron.config.adaptive_compile_budget
+    torchneuron.config.adaptive_compile_budget = 1.0
+    c = Config("adaptive", loop, args)
+    c.run(5, False)
+    adaptive.wait_for_compiles()
+    c.run(5, False)
+    torchneuron.config.adaptive_compile_budget = budget
+    captured = []
+    run = adaptive._run
+
+    def capture(plan, external, runtime):
+        captured.append((plan, list(external), list(runtime)))
+        return run(plan, external, runtime)
+
+    adaptive._run = capture
+    try:
+        c.run(1, False)
+    finally:
+        adaptive._run = run
+    rows = []
+    for plan, external, runtime in captured:
+        seg = plan.direct
+        if seg is None or seg.fn is None:
+            rows.append((len(plan.ops), None))
+            continue
+        jax.block_until_ready(external)
+        times = []
+        for _ in range(20):
+            start = time.perf_counter()
+            jax.block_until_ready(seg.fn(*external, *runtime))
+            times.append(time.perf_counter() - start)
+        rows.append((len(plan.ops), min(times)))
+    cpu = Config("cpu", loop, args)
+    cpu.run(5, False)
+    for _ in range(5):
+        cpu.run(args.steps, True)
+        c.run(args.steps, True)
+    parts = ", ".join(f"{n} ops {t * 1e3:.2f} ms" if t is not None else f"{n} ops (not fused)" for n, t in rows)
+    total = sum(t for _, t in rows if t is not None)
+    print(f"{loop:11} where   fused regions alone (min of 20): {parts}; together {total * 1e3:.2f} ms | "
+          f"adaptive step {min(c.samples) * 1e3:.2f} ms, cpu eager step {min(cpu.samples) * 1e3:.2f} ms "
+          f"(min of 5 blocks)", flush=True)
+
+
+def recording_cost(args):
+    """Per-op cost on the calling thread (thread CPU time, the recording only: the flush is not
+    timed): plain eager's dispatch vs adaptive eager recording a region it replays."""
+    budget = torchneuron.config.adaptive_compile_budget
+    torchneuron.config.adaptive_compile_budget = 1.0
+    x, y = torch.randn(64, 64).to("neuron"), torch.randn(64, 64).to("neuron")
+    params = [torch.randn(64, 64).to("neuron") for _ in range(26)]
+    grads = [torch.randn(64, 64).to("neuron") for _ in range(26)]
+
+    def small():
+        ((x + y) * 0.5).relu().sum()
+
+    def foreach():   # one optimizer-like step over 26 tensors: two in-place ops, one new list
+        torch._foreach_mul_(params, 0.99)
+        torch._foreach_add_(params, grads, alpha=-0.01)
+        torch._foreach_sqrt(grads)
+
+    def per_op(mode, fn, n_ops):
+        with torchneuron.eager_mode(mode):
+            for _ in range(5):
+                fn()
+                torch.neuron.synchronize()
+            adaptive.wait_for_compiles()
+            samples = []
+            for _ in range(200):
+                start = time.thread_time()
+                fn()
+                samples.append(time.thread_time() - start)
+                torch.neuron.synchronize()
+        return statistics.median(samples) / n_ops * 1e6
+
+    for name, fn, n_ops in (("4 small ops (64x64)", small, 4), ("3 _foreach_* ops over 26 tensors", foreach, 3)):
+        plain, recorded = per_op("plain", fn, n_ops), per_op("adaptive", fn, n_ops)
+        print(f"recording  {name:34} plain {plain:7.1f} us/op  adaptive {recorded:7.1f} us/op "
+              f"({recorded / plain:.0%} of plain, thread CPU time)", flush=True)
+    torchneuron.config.adaptive_compile_budget = budget
+
+
 def first_steps_child(loop, config, args):
     c = Config(config, loop, args)
     start = time.perf_counter()
@@ -194,6 +282,10 @@ def main():
     parser.add_argument("--loops", default="mlp,mlp-read10,mlp-noread,gpt")
     parser.add_argument("--gpt-layers", type=int, default=2)
     parser.add_argument("--skip-first", action="store_true")
+    parser.add_argument("--recording", action="store_true",
+                        help="also measure the per-op recording cost against plain dispatch")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time each fused region alone against the whole step")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="a subset of cpu,plain,adaptive")
     parser.add_argument("--child", nargs=2, metavar=("LOOP", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -203,12 +295,16 @@ def main():
         return
     print(f"load average at start: {os.getloadavg()[0]:.1f}")
     print("ratios are speed-ups of adaptive (higher is better)")
+    if args.recording:
+        recording_cost(args)
     for loop in args.loops.split(","):
         t, m = steady(loop, args)
         ops = m["region_ops"] / max(m["regions_flushed"], 1)
         print(f"{loop:11} steady  {_times(t, 1e3, 'ms')} | {_ratios(t)} | {ops:.0f} ops/region, "
               f"{m['region_cache_hits']} fused / {sum(m['region_unfused'].values())} op-by-op segment runs, "
               f"{m['region_replayed_ops'] / max(m['region_ops'], 1):.0%} ops replayed", flush=True)
+        if args.breakdown:
+            breakdown(loop, args)
         if not args.skip_first:
             f, extra = first_steps(loop, args)
             a = extra.get("adaptive", {})
