@@ -429,6 +429,30 @@ def test_rng_streams_and_autograd_identical_to_plain(monkeypatch):
     assert m("region_cache_hits") == 1 and m("region_replayed_ops") >= 8
 
 
+def _generator_stream():
+    g = torch.Generator(device="neuron").manual_seed(7)
+    torch.manual_seed(3)
+    out = []
+    for i in range(4):
+        x = torch.ones(16, device="neuron")
+        out.append((torch.rand(16, device="neuron", generator=g) + x.normal_() * x.bernoulli_(0.5)).cpu())
+        if i == 1:
+            adaptive_mode.wait_for_compiles()
+    return out
+
+
+def test_replayed_random_ops_draw_from_their_generator_argument(monkeypatch):
+    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 1.0)
+    plain = _generator_stream()
+    with torchneuron.eager_mode("adaptive"):
+        adaptive_mode.wait_for_compiles()
+        adaptive_mode.clear_region_cache()
+        torchneuron.metrics.reset()
+        fused = _generator_stream()
+    assert all(torch.equal(a, b) for a, b in zip(plain, fused))
+    assert m("region_cache_hits") >= 1 and m("region_replayed_ops") > 0
+
+
 def _memory_trace():
     gc.collect()
     base = torch.neuron.memory_allocated()

@@ -142,9 +142,11 @@ class Region:
                 self.cursor = None
                 return _NOT_REPLAYED
             if check.random is not None:
-                # As the full path: the generator of the inputs' device, else of the current device.
-                gen_device = check.random if check.random >= 0 else current_device()
-                self.runtime.extend(rng.generator(gen_device).next_key_inputs())
+                # As the full path: the op's generator argument, else the default generator of the
+                # inputs' device, else of the current device.
+                gen = None if k.generator_index is None else values[k.generator_index]
+                state = rng.state_of(gen, check.random if check.random >= 0 else current_device())
+                self.runtime.extend(state.next_key_inputs())
             outs = self._new_outputs(check.exe, check.device)[0]
             addr_of, results = self.addr_of, self.results
             for sid in check.written:
@@ -697,6 +699,8 @@ def _compile(seg, device, sample):
         seg.fn = fn
         seg.state = "ready"
         metrics.region_compiles += 1
+        # Custom kernels (torchneuron.kernel) are named with their namespace, ATen ops not.
+        metrics.custom_kernel_compiles.update({exe.op_name for exe, *_ in seg.ops if "::" in exe.op_name})
     seconds = time.perf_counter() - start
     metrics.region_compile_seconds += seconds
     budget.settle(len(seg.ops), seconds)
