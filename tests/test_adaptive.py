@@ -141,6 +141,16 @@ def test_errors_surface_at_the_users_line():
     assert "bad = a + b" in user.line
 
 
+@pytest.mark.usefixtures("adaptive")
+def test_dtype_a_lowering_refuses_raises_at_the_users_line():
+    x = torch.arange(256).reshape(4, 4, 4, 4).to("neuron")
+    with pytest.raises(NotImplementedError, match="not implemented for 'Long'") as err:
+        torch.nn.functional.adaptive_avg_pool2d(x, 2)  # <- raised here, not at a later read
+    frames = traceback.extract_tb(err.value.__traceback__)
+    assert "adaptive_avg_pool2d(x, 2)" in [f for f in frames if f.filename == __file__][-1].line
+    assert (x.float() + 1).sum().item() == 32896.0   # nothing half-recorded is left behind
+
+
 def _mlp_loop(read_every):
     """An MLP training loop with AdamW that reads the loss every ``read_every`` steps (0: only at the
     end). Waits for the background compiles after the third step, so later steps run fused."""

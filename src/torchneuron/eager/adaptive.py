@@ -300,6 +300,8 @@ class Region:
 
     def record(self, k, exe, values, ctx):
         """Record a call whose executable the kernel looked up by its key."""
+        if exe.call is None and exe not in _traced_once:
+            _trace_now(k, exe, values, ctx)
         with self.lock:
             device = ctx.device_index if ctx.device_index is not None else k.output_device(values)
             bufs = ctx.bufs
@@ -368,6 +370,20 @@ class Region:
             self.prev = plan
             _starts[ops[0][0]] = plan
             self.cursor = plan.next
+
+
+_traced_once: set = set()   # executables whose body was traced at a recorded call
+
+
+def _trace_now(k, exe, values, ctx):
+    """Trace a new executable's body for its shapes only, at the user's call: a lowering that
+    refuses an input dtype while it is traced raises here, as in plain eager, not at the flush."""
+    avals = [jax.ShapeDtypeStruct((numel,), jax_dtype(dtype)) for numel, dtype in ctx.storages]
+    try:
+        jax.eval_shape(exe.traced, *avals, *ctx.runtime)
+    except Exception as err:
+        k.raise_call_error(values, err)
+    _traced_once.add(exe)
 
 
 # -- plans: what a region's structure runs as -----------------------------------------------------

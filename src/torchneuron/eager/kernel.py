@@ -270,14 +270,8 @@ class Kernel(OpSignature):
         with jax_config.enable_compilation_cache(False):
             try:
                 results = jitted(*bufs, *runtime)
-            except NotImplementedForDtype as err:
-                # A lowering rejecting a dtype as ATen's kernels do (ops.numerics.require_floating).
-                raise NotImplementedForDtype(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
             except Exception as err:
-                error = self.compile_error(values, err)
-                if error is err:
-                    raise
-                raise error from err
+                self.raise_call_error(values, err)
             if name is not None:
                 # The executable jit just compiled (its lowering and compile are cached in memory).
                 executable_store.store("eager", name, lambda: jitted.lower(*bufs, *runtime).compile(),
@@ -287,6 +281,16 @@ class Kernel(OpSignature):
         metrics.eager_compiles[exe.reason] += 1
         exe.call = jitted
         return results
+
+    def raise_call_error(self, values, err):
+        """Raise what the user sees when tracing or compiling this call's executable failed."""
+        if isinstance(err, NotImplementedForDtype):
+            # A lowering rejecting a dtype as ATen's kernels do (ops.numerics.require_floating).
+            raise NotImplementedForDtype(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
+        error = self.compile_error(values, err)
+        if error is err:
+            raise err
+        raise error from err
 
     def compile_error(self, values, err) -> Exception:
         """The error to raise when tracing or compiling this call's executable fails."""
