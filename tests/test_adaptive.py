@@ -144,10 +144,11 @@ def test_errors_surface_at_the_users_line():
 @pytest.mark.usefixtures("adaptive")
 def test_dtype_a_lowering_refuses_raises_at_the_users_line():
     x = torch.arange(256).reshape(4, 4, 4, 4).to("neuron")
-    with pytest.raises(NotImplementedError, match="not implemented for 'Long'") as err:
-        torch.nn.functional.adaptive_avg_pool2d(x, 2)  # <- raised here, not at a later read
-    frames = traceback.extract_tb(err.value.__traceback__)
-    assert "adaptive_avg_pool2d(x, 2)" in [f for f in frames if f.filename == __file__][-1].line
+    for _ in range(2):   # and again for the same call
+        with pytest.raises(NotImplementedError, match="not implemented for 'Long'") as err:
+            torch.nn.functional.adaptive_avg_pool2d(x, 2)  # <- raised here, not at a later read
+        frames = traceback.extract_tb(err.value.__traceback__)
+        assert "adaptive_avg_pool2d(x, 2)" in [f for f in frames if f.filename == __file__][-1].line
     assert (x.float() + 1).sum().item() == 32896.0   # nothing half-recorded is left behind
 
 

@@ -301,7 +301,9 @@ class Region:
     def record(self, k, exe, values, ctx):
         """Record a call whose executable the kernel looked up by its key."""
         if exe.call is None and exe not in _traced_once:
-            _trace_now(k, exe, values, ctx)
+            if _reads_non_floating(exe.key[1]):
+                _trace_now(k, exe, values, ctx)   # raises again for every call that would fail
+            _traced_once.add(exe)
         with self.lock:
             device = ctx.device_index if ctx.device_index is not None else k.output_device(values)
             bufs = ctx.bufs
@@ -372,18 +374,30 @@ class Region:
             self.cursor = plan.next
 
 
-_traced_once: set = set()   # executables whose body was traced at a recorded call
+_traced_once: set = set()   # new executables seen at a recorded call
+
+
+def _reads_non_floating(specs) -> bool:
+    for s in specs:
+        if isinstance(s, tuple) and s:
+            if s[0].__class__ is torch.dtype:
+                if not s[0].is_floating_point:
+                    return True
+            elif _reads_non_floating(s):
+                return True
+    return False
 
 
 def _trace_now(k, exe, values, ctx):
     """Trace a new executable's body for its shapes only, at the user's call: a lowering that
-    refuses an input dtype while it is traced raises here, as in plain eager, not at the flush."""
+    refuses an input dtype while it is traced (ops.numerics.require_floating: integer, bool or
+    complex inputs) raises here, as in plain eager, not at the flush. Only executables reading such
+    inputs pay this second trace."""
     avals = [jax.ShapeDtypeStruct((numel,), jax_dtype(dtype)) for numel, dtype in ctx.storages]
     try:
         jax.eval_shape(exe.traced, *avals, *ctx.runtime)
     except Exception as err:
         k.raise_call_error(values, err)
-    _traced_once.add(exe)
 
 
 # -- plans: what a region's structure runs as -----------------------------------------------------
