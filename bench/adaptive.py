@@ -20,7 +20,11 @@ Two measurements per loop and configuration:
 
     .venv/bin/python bench/adaptive.py [--steps 10] [--repeats 15] [--first 20] [--first-repeats 1]
         [--loops mlp,mlp-read10,mlp-noread,gpt] [--gpt-layers 2] [--skip-first] [--breakdown] [--recording]
-        [--configs cpu,plain,adaptive]
+        [--configs cpu,plain,adaptive] [--cpu-threads N]
+
+On a loaded machine, CPU eager's OpenMP threads spin while they wait and lose most of their time
+(a 2 ms step took 100-200 ms at load average 10): measure with OMP_WAIT_POLICY=PASSIVE there, or
+with --cpu-threads 1, and say which.
 """
 
 from __future__ import annotations
@@ -254,7 +258,7 @@ def first_steps(loop, args):
     for _ in range(args.first_repeats):
         for name in args.configs:
             cmd = [sys.executable, __file__, "--child", loop, name, "--first", str(args.first),
-                   "--gpt-layers", str(args.gpt_layers)]
+                   "--gpt-layers", str(args.gpt_layers), "--cpu-threads", str(args.cpu_threads)]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             data = json.loads(out.strip().splitlines()[-1])
             results[name].append(data["seconds"])
@@ -287,13 +291,18 @@ def main():
     parser.add_argument("--breakdown", action="store_true",
                         help="also time each fused region alone against the whole step")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="a subset of cpu,plain,adaptive")
+    parser.add_argument("--cpu-threads", type=int, default=0,
+                        help="torch.set_num_threads for CPU eager (default: PyTorch's own choice)")
     parser.add_argument("--child", nargs=2, metavar=("LOOP", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.configs = args.configs.split(",")
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
     if args.child:
         first_steps_child(*args.child, args)
         return
-    print(f"load average at start: {os.getloadavg()[0]:.1f}")
+    print(f"load average at start: {os.getloadavg()[0]:.1f}; CPU eager threads {torch.get_num_threads()}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
     print("ratios are speed-ups of adaptive (higher is better)")
     if args.recording:
         recording_cost(args)
