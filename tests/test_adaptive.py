@@ -372,6 +372,58 @@ def test_replay_notices_a_call_that_differs_from_the_known_region():
     assert 0 < m("region_replayed_ops") < m("region_ops")
 
 
+def _rows_loop(device, steps):
+    """Rows read and written at offsets that change every step (runtime inputs of one program), a
+    whole-storage read, and an integer division whose result dtype the default dtype decides."""
+    rows = torch.arange(24.0, device=device).reshape(6, 4)
+    cache = torch.zeros(6, 4, device=device)
+    ints = torch.arange(1, 5, device=device)
+    out = []
+    for step in range(steps):
+        if step == steps // 2:
+            torch.set_default_dtype(torch.bfloat16)
+        i = step % 6
+        cache[i].copy_(rows[i] * 2)
+        q = ints / 4
+        out.append(((cache[i] + rows[(i + 1) % 6]).sum() + rows.sum()).item())
+        out.append((q.dtype, q.tolist()))
+        if step in (2, steps // 2 + 2) and device == "neuron":
+            adaptive_mode.wait_for_compiles()   # each structure compiled once it repeated
+    out.append(cache.tolist())
+    return out
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_replay_takes_view_offsets_at_run_time_and_checks_the_default_dtype():
+    saved = torch.get_default_dtype()
+    try:
+        with torchneuron.eager_mode("plain"):
+            want = _rows_loop("cpu", 12)
+        torch.set_default_dtype(saved)
+        got = _rows_loop("neuron", 12)
+    finally:
+        torch.set_default_dtype(saved)
+    assert got == want
+    # One structure per default dtype (the first step's also holds the setup): rows at new offsets
+    # replay the known region, and run fused in the three steps after each compile.
+    assert m("region_replayed_ops") >= 8 * m("region_ops") // 12
+    assert m("region_compiles") == 2 and m("region_cache_hits") == 6
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_replay_matches_compiled_in_floats_and_lists():
+    # layer_norm's eps and shape, view's sizes, softmax's dim: compiled-in arguments the key holds
+    # frozen (floats by their bits, lists as tuples); a replayed call must match them as the key does.
+    x = torch.randn(3, 8).to("neuron")
+    ref = x.cpu()
+    for _ in range(6):
+        f = lambda t: torch.softmax(F.layer_norm(t * 2, (8,), eps=1e-3).view(6, 4), dim=-1).sum()  # noqa: E731
+        torchneuron.metrics.reset()
+        assert f(x).item() == pytest.approx(f(ref).item())
+    # The last step: every op replayed (the loop's step repeats the previous one).
+    assert m("region_replayed_ops") == m("region_ops") > 0
+
+
 @pytest.mark.usefixtures("adaptive")
 def test_replay_sees_a_parameter_whose_data_was_replaced():
     lin = torch.nn.Linear(4, 3, bias=False).to("neuron")

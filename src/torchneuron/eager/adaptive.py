@@ -41,7 +41,6 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import math
 import operator
 import os
 import queue
@@ -56,15 +55,15 @@ from ..config import config
 from ..metrics import metrics
 from ..ops.signature import OPT_TENSOR_LIST, TENSOR_LIST
 from ..runtime import memory, rng
-from ..runtime.device import current_device
 from ..runtime.dtypes import jax_dtype
+from ..runtime.values import offset_array, scalar_array
 from . import kernel
 
 _records = memory.allocator.records
 PENDING = memory.PENDING
 _NOT_REPLAYED = kernel.NOT_REPLAYED
 _freeze = kernel._freeze
-_scalar_array = kernel.scalar_array
+is_view_spec = kernel.is_view_spec
 _graph_task_id = torch._C._current_graph_task_id
 _LISTS = (TENSOR_LIST, OPT_TENSOR_LIST)
 _dtype_of = operator.attrgetter("dtype")
@@ -72,7 +71,7 @@ _shape_of = operator.attrgetter("shape")
 _offset_of = torch.Tensor.storage_offset
 _stride_of = torch.Tensor.stride
 _data_ptr_of = torch.Tensor.data_ptr
-_layouts: dict = {}   # executable -> how to allocate each of its outputs
+_default_dtype = torch.get_default_dtype
 
 
 class Region:
@@ -128,12 +127,12 @@ class Region:
             if check is None or check.kernel is not k:
                 self.cursor = None
                 return _NOT_REPLAYED
+            if _default_dtype() is not check.default_dtype:
+                self.cursor = None
+                return _NOT_REPLAYED
             values = k.bind(args, kwargs)
-            for i, want in check.statics:
-                v = values[i]
-                if v.__class__ is list or v.__class__ is tuple:
-                    v = _freeze(v)
-                if v != want:
+            for i, frozen, want in check.statics:   # as the key holds them (Kernel.statics)
+                if (_freeze(values[i]) if frozen else values[i]) != want:
                     self.cursor = None
                     return _NOT_REPLAYED
             n_addr, n_ext, n_rt = len(self.addr_of), len(self.external), len(self.runtime)
@@ -141,12 +140,14 @@ class Region:
                 self._rollback(n_addr, n_ext, n_rt)
                 self.cursor = None
                 return _NOT_REPLAYED
-            if check.random is not None:
-                # As the full path: the op's generator argument, else the default generator of the
-                # inputs' device, else of the current device.
+            if check.factory and k.output_device(values) != check.device:
+                self._rollback(n_addr, n_ext, n_rt)
+                self.cursor = None
+                return _NOT_REPLAYED
+            if check.random:
+                # As the full path: the op's generator argument, else the device's default generator.
                 gen = None if k.generator_index is None else values[k.generator_index]
-                state = rng.state_of(gen, check.random if check.random >= 0 else current_device())
-                self.runtime.extend(state.next_key_inputs())
+                self.runtime.extend(rng.state_of(gen, check.device).next_key_inputs())
             outs = self._new_outputs(check.exe, check.device)[0]
             addr_of, results = self.addr_of, self.results
             for sid in check.written:
@@ -163,32 +164,47 @@ class Region:
     def _match_inputs(self, check, values):
         """Whether the call's arguments give the executable's key, with the storage wiring the plan
         recorded (collecting runtime values and new external storages on the way)."""
-        sid_of = self.sid_of
+        sid_of, runtime = self.sid_of, self.runtime
         for arg in check.args:
             tag = arg[0]
             v = values[arg[1]]
             if tag is _VIEW:
-                _, _, dtype, sizes, strides, offset, off_bytes, sid, storage = arg
+                _, _, dtype, sizes, strides, whole, sid, storage = arg
                 try:
-                    if v.dtype is not dtype or v.storage_offset() != offset or v.stride() != strides \
-                            or v.shape != sizes:
+                    if v.dtype is not dtype or v.stride() != strides or v.shape != sizes:
                         return False
-                    addr = v.data_ptr() - off_bytes
+                    offset = v.storage_offset()
+                    addr = v.data_ptr() - offset * dtype.itemsize
                 except AttributeError:           # not a tensor
                     return False
+                if whole:
+                    if offset:
+                        return False
+                else:
+                    runtime.append(offset_array(offset))
                 known = sid_of.get(addr)
                 if known != sid and (known is not None or not self._external(addr, sid, storage, check.device)):
                     return False
             elif tag is _VIEW_LIST:
-                _, _, dtypes, shapes, strides, offsets, off_bytes, sids, storages = arg
+                _, _, dtypes, shapes, strides, whole, itemsizes, sids, storages = arg
                 try:
                     if v is None or len(v) != len(sids) or tuple(map(_dtype_of, v)) != dtypes \
-                            or tuple(map(_offset_of, v)) != offsets or tuple(map(_stride_of, v)) != strides \
-                            or tuple(map(_shape_of, v)) != shapes:
+                            or tuple(map(_stride_of, v)) != strides or tuple(map(_shape_of, v)) != shapes:
                         return False
-                    addrs = list(map(operator.sub, map(_data_ptr_of, v), off_bytes))
+                    offsets = tuple(map(_offset_of, v))
+                    addrs = list(map(operator.sub, map(_data_ptr_of, v), map(operator.mul, offsets, itemsizes)))
                 except (AttributeError, TypeError):
                     return False
+                if whole is True:                # every view spans its whole storage (parameters)
+                    if any(offsets):
+                        return False
+                else:                            # as Kernel.__call__: offsets of partial views, in order
+                    for offset, w in zip(offsets, whole):
+                        if w:
+                            if offset:
+                                return False
+                        else:
+                            runtime.append(offset_array(offset))
                 if list(map(sid_of.get, addrs)) != sids:
                     # New external storages (or a different wiring): element by element, in order.
                     for addr, sid, storage in zip(addrs, sids, storages):
@@ -228,17 +244,21 @@ class Region:
         if spec.__class__ is type:               # a runtime scalar of this Python type
             if v.__class__ is not spec:
                 return False
-            self.runtime.append(_scalar_array(v))
+            self.runtime.append(scalar_array(v))
             return True
         dtype = spec[0]
         if dtype.__class__ is not torch.dtype:
             return self._match_unusual(v, spec)
         try:
-            if v.dtype is not dtype or v.storage_offset() != spec[3] or v.stride() != spec[2] \
-                    or v.shape != spec[1]:
+            if v.dtype is not dtype or v.stride() != spec[2] or v.shape != spec[1]:
                 return False
-            addr = v.data_ptr() - spec[3] * dtype.itemsize
+            offset = v.storage_offset()
+            addr = v.data_ptr() - offset * dtype.itemsize
         except AttributeError:                   # not a tensor
+            return False
+        if spec[3] is None:
+            self.runtime.append(offset_array(offset))
+        elif offset:
             return False
         sid = sids[spec[4]]
         known = self.sid_of.get(addr)
@@ -254,8 +274,7 @@ class Region:
             self.runtime.append(np.asarray(v.item(), dtype=jax_dtype(v.dtype)))
             return True
         if tag == "empty":
-            return v.device.type == "neuron" and v.numel() == 0 and v.dtype is spec[1] \
-                and tuple(v.shape) == spec[2] and v.untyped_storage().data_ptr() not in _records
+            return v.device.type == "neuron" and v.numel() == 0 and v.dtype is spec[1] and tuple(v.shape) == spec[2]
         return False
 
     def _rollback(self, n_addr, n_ext, n_rt):
@@ -266,18 +285,14 @@ class Region:
     def _new_outputs(self, exe, device):
         """The op's outputs as real neuron storages whose buffers the region will produce, and their
         storage ids."""
-        layouts = _layouts.get(exe)
-        if layouts is None:
-            layouts = _layouts[exe] = tuple(None if spec is None else memory.storage_layout(
-                spec[1], spec[2], spec[0], math.prod(spec[1]) * spec[0].itemsize) for spec in exe.out_specs)
         outs, sids = [], []
-        new = memory.allocator.new_from_layout
-        for layout in layouts:
+        new = memory.allocator.new_output
+        for layout in exe.outputs:
             if layout is None:
                 outs.append(None)
                 sids.append(None)
                 continue
-            t = new(layout, device, PENDING)
+            t = new(layout, PENDING, device)
             sid = len(self.addr_of)
             addr = t.data_ptr()
             self.sid_of[addr] = sid
@@ -305,7 +320,7 @@ class Region:
                 _trace_now(k, exe, values, ctx)   # raises again for every call that would fail
             _traced_once.add(exe)
         with self.lock:
-            device = ctx.device_index if ctx.device_index is not None else k.output_device(values)
+            device = ctx.device_index
             bufs = ctx.bufs
             if self.device is not None and device != self.device:
                 self.flush("device change")     # a region runs on one device
@@ -447,41 +462,41 @@ class Plan:
 _VIEW, _VIEW_LIST, _LIST, _OTHER = "view", "view list", "list", "other"
 
 
-def _is_view(spec) -> bool:
-    return isinstance(spec, tuple) and len(spec) == 5 and spec[0].__class__ is torch.dtype
-
-
 class _OpCheck:
     """One plan op as the replay checks it: its executable key unpacked per argument, the storage
     ids each tensor must sit on, and what the op writes."""
 
-    __slots__ = ("entry", "exe", "kernel", "statics", "args", "storages", "device", "random", "written")
+    __slots__ = ("entry", "exe", "kernel", "statics", "args", "storages", "device", "default_dtype", "random",
+                 "factory", "written")
 
     def __init__(self, entry):
         exe, input_sids, _, _ = entry
-        k, specs, statics, storages, device = exe.key
+        k, specs, statics, storages, device, default_dtype = exe.key
         self.entry, self.exe, self.kernel = entry, exe, k
-        self.statics = tuple(zip(k.static, statics))   # (argument index, its value in the key)
-        self.storages, self.device = storages, device
+        # (argument index, whether the key holds it frozen, its value in the key)
+        self.statics = tuple((i, frozen, v) for (i, frozen), v in zip(k.statics, statics))
+        self.storages, self.device, self.default_dtype = storages, device, default_dtype
         self.args = []
-        for i, spec in zip(k.dynamic, specs):
-            if k.kinds[i] in _LISTS:
-                if spec and all(_is_view(s) for s in spec):
+        # A view's offset in the key is 0 when it spans its whole storage ("whole": the call's view
+        # must start there too), else None (the call's offset is a runtime input).
+        for (i, kind), spec in zip(k.inputs, specs):
+            if kind in _LISTS:
+                if spec and all(is_view_spec(s) for s in spec):
+                    whole = tuple(s[3] == 0 for s in spec)
                     self.args.append((_VIEW_LIST, i, tuple(s[0] for s in spec), tuple(s[1] for s in spec),
-                                      tuple(s[2] for s in spec), tuple(s[3] for s in spec),
-                                      tuple(s[3] * s[0].itemsize for s in spec),
+                                      tuple(s[2] for s in spec), True if all(whole) else whole,
+                                      tuple(s[0].itemsize for s in spec),
                                       [input_sids[s[4]] for s in spec], [storages[s[4]] for s in spec]))
                 else:
                     self.args.append((_LIST, i, spec, input_sids))
-            elif _is_view(spec):
+            elif is_view_spec(spec):
                 dtype, sizes, strides, offset, slot = spec
-                self.args.append((_VIEW, i, dtype, sizes, strides, offset, offset * dtype.itemsize,
-                                  input_sids[slot], storages[slot]))
+                self.args.append((_VIEW, i, dtype, sizes, strides, offset == 0, input_sids[slot], storages[slot]))
             else:
                 self.args.append((_OTHER, i, spec, input_sids))
-        # The generator a random op draws from: the inputs' device, or (no tensor inputs) the current
-        # device, as Kernel.__call__ picks it (-1).
-        self.random = (device if _reads_storage(specs) else -1) if k.lowering.random else None
+        self.random = k.lowering.random
+        # No tensor inputs: the device argument (else the current device) decides the key's device.
+        self.factory = not _reads_storage(specs)
         self.written = tuple(input_sids[slot] for slot in exe.writes)
 
 
