@@ -16,7 +16,8 @@ Two measurements per loop and configuration:
   the ratios of blocks that ran back to back (robust to the load changing between rounds);
 - first steps: the first ``--first`` steps of a fresh process (compiles included, default
   settings), each configuration in its own child process, ``--first-repeats`` times interleaved,
-  median.
+  median; wall time, and the process's CPU time (all threads, background compiles included) on a
+  second line.
 
     .venv/bin/python bench/adaptive.py [--steps 10] [--repeats 15] [--first 20] [--first-repeats 1]
         [--loops mlp,mlp-read10,mlp-noread,gpt] [--gpt-layers 2] [--skip-first] [--breakdown] [--recording]
@@ -244,16 +245,17 @@ def recording_cost(args):
 
 def first_steps_child(loop, config, args):
     c = Config(config, loop, args)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     c.run(args.first, False)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     m = torchneuron.metrics()
-    print(json.dumps({"seconds": elapsed, "region_compiles": m["region_compiles"],
+    print(json.dumps({"seconds": elapsed, "cpu_seconds": cpu, "region_compiles": m["region_compiles"],
                       "fused_runs": m["region_cache_hits"]}))
 
 
 def first_steps(loop, args):
     results = {name: [] for name in args.configs}
+    cpu = {name: [] for name in args.configs}
     extra = {}
     for _ in range(args.first_repeats):
         for name in args.configs:
@@ -262,8 +264,11 @@ def first_steps(loop, args):
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             data = json.loads(out.strip().splitlines()[-1])
             results[name].append(data["seconds"])
+            cpu[name].append(data["cpu_seconds"])
             extra[name] = data
-    return {name: statistics.median(v) for name, v in results.items()}, extra
+    median = statistics.median
+    return ({name: median(v) for name, v in results.items()}, {name: median(v) for name, v in cpu.items()},
+            extra)
 
 
 def _times(t, scale, unit):
@@ -315,11 +320,13 @@ def main():
         if args.breakdown:
             breakdown(loop, args)
         if not args.skip_first:
-            f, extra = first_steps(loop, args)
+            f, cpu, extra = first_steps(loop, args)
             a = extra.get("adaptive", {})
             print(f"{loop:11} first {args.first:2d} {_times(f, 1, 's ')} | {_ratios(f)} | adaptive: "
                   f"{a.get('region_compiles')} regions compiled in time, {a.get('fused_runs')} fused runs",
                   flush=True)
+            print(f"{loop:11} cpu   {args.first:2d} {_times(cpu, 1, 's ')} | {_ratios(cpu)} | process CPU time, "
+                  f"all threads (less sensitive to the load than wall time)", flush=True)
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 

@@ -328,6 +328,19 @@ def test_background_compiles_wait_for_their_share_of_the_run_time(monkeypatch):
     budget.start()
 
 
+def test_the_first_compile_is_charged_as_on_a_busy_machine_until_one_is_measured(monkeypatch):
+    """A program's first seconds run no background compile on the quiet fit's optimistic estimate:
+    until a compile has been measured the estimate is pessimistic, then measured times replace it."""
+    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 0.1)
+    budget = adaptive_mode.CompileBudget()
+    quiet = 0.3 + 0.01 * 8                 # the fit, in seconds, for an 8-op region
+    assert budget.estimate(8) >= 3 * quiet
+    budget.settle(8, 2 * quiet)            # the first measurement replaces the guess
+    assert budget.estimate(8) == pytest.approx(2 * quiet)
+    budget.settle(8, quiet)                # later ones are averaged in
+    assert 1.0 * quiet < budget.estimate(8) < 2 * quiet
+
+
 @pytest.mark.usefixtures("adaptive")
 def test_a_region_too_long_for_one_executable_is_split(monkeypatch):
     monkeypatch.setattr(torchneuron.config, "adaptive_segment_ops", 3)

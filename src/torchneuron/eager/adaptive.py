@@ -647,6 +647,7 @@ class CompileBudget:
     background compiles cannot slow any stretch of the program down by much more than that share."""
 
     CAPACITY = 3.0   # seconds of compile the bucket holds; a costlier compile waits for a full bucket
+    FIRST_SCALE = 4.0
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -655,7 +656,12 @@ class CompileBudget:
     def reset(self):
         self.tokens = 0.0
         self.since = None        # when adaptive mode was last switched on (None: it is off)
-        self.scale = 1.0         # measured / modelled compile seconds, averaged
+        # Measured / modelled compile seconds, averaged. Until a compile has been measured, assume a
+        # busy machine: the first compile waits for that much run time, so it cannot slow the
+        # program's first seconds (at load ~9 on two cores an 8-op region took 1.3-1.9 s, against
+        # the quiet fit's 0.38 s); the first measurement replaces the guess.
+        self.scale = self.FIRST_SCALE
+        self.measured = False
 
     def start(self):
         with self.lock:
@@ -694,7 +700,9 @@ class CompileBudget:
             estimate = self.estimate(n_ops)
             if config.adaptive_compile_budget < 1:
                 self.tokens -= seconds - estimate
-            self.scale = 0.7 * self.scale + 0.3 * self.scale * seconds / estimate
+            ratio = self.scale * seconds / estimate
+            self.scale = 0.7 * self.scale + 0.3 * ratio if self.measured else ratio
+            self.measured = True
 
 
 budget = CompileBudget()
