@@ -13,7 +13,9 @@ Two measurements per loop and configuration:
   warm-up that compiles everything (for adaptive, also its background region compiles, with the
   compile budget lifted for the warm-up); the three
   configurations run in one process, block by block interleaved, and each ratio is the median of
-  the ratios of blocks that ran back to back (robust to the load changing between rounds);
+  the ratios of blocks that ran back to back (robust to the load changing between rounds); wall
+  time, and the process's CPU time (all threads) on a second line, which a loaded machine inflates
+  far less;
 - first steps: the first ``--first`` steps of a fresh process (compiles included, default
   settings), each configuration in its own child process, ``--first-repeats`` times interleaved,
   median; wall time, and the process's CPU time (all threads, background compiles included) on a
@@ -117,16 +119,18 @@ class Config:
             self.step = make_loop(loop, "cpu" if name == "cpu" else "neuron", args)
         self.done = 0
         self.samples = []
+        self.cpu_samples = []     # process CPU time (all threads) per step
 
     def run(self, count, record):
         with torchneuron.eager_mode(self.mode):
             time.sleep(0.2)   # let the previous configuration's worker threads go idle
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             run_steps(self.step, self.done, count)
-            elapsed = time.perf_counter() - start
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         self.done += count
         if record:
             self.samples.append(elapsed / count)
+            self.cpu_samples.append(cpu / count)
 
 
 def steady(loop, args):
@@ -145,15 +149,19 @@ def steady(loop, args):
         for c in configs:
             c.run(args.steps, True)
     m = torchneuron.metrics()
-    times = {c.name: statistics.median(c.samples) for c in configs}
+    return _summary(configs, "samples"), _summary(configs, "cpu_samples"), m
+
+
+def _summary(configs, field):
+    times = {c.name: statistics.median(getattr(c, field)) for c in configs}
     # Ratios from the blocks that ran back to back: a load change between rounds cancels out.
-    by_name = {c.name: c.samples for c in configs}
+    by_name = {c.name: getattr(c, field) for c in configs}
     if "adaptive" in by_name:
         for name in ("plain", "cpu"):
             if name in by_name:
                 times[f"{name}/adaptive"] = statistics.median(
                     a / b for a, b in zip(by_name[name], by_name["adaptive"]))
-    return times, m
+    return times
 
 
 def breakdown(loop, args):
@@ -245,9 +253,10 @@ def recording_cost(args):
 
 def first_steps_child(loop, config, args):
     c = Config(config, loop, args)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    c.run(args.first, False)
-    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    with torchneuron.eager_mode(c.mode):   # the steps alone (Config.run would add its pause)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        run_steps(c.step, 0, args.first)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     m = torchneuron.metrics()
     print(json.dumps({"seconds": elapsed, "cpu_seconds": cpu, "region_compiles": m["region_compiles"],
                       "fused_runs": m["region_cache_hits"]}))
@@ -312,11 +321,13 @@ def main():
     if args.recording:
         recording_cost(args)
     for loop in args.loops.split(","):
-        t, m = steady(loop, args)
+        t, cpu, m = steady(loop, args)
         ops = m["region_ops"] / max(m["regions_flushed"], 1)
         print(f"{loop:11} steady  {_times(t, 1e3, 'ms')} | {_ratios(t)} | {ops:.0f} ops/region, "
               f"{m['region_cache_hits']} fused / {sum(m['region_unfused'].values())} op-by-op segment runs, "
               f"{m['region_replayed_ops'] / max(m['region_ops'], 1):.0%} ops replayed", flush=True)
+        print(f"{loop:11} cpu     {_times(cpu, 1e3, 'ms')} | {_ratios(cpu)} | process CPU time per step, all "
+              f"threads", flush=True)
         if args.breakdown:
             breakdown(loop, args)
         if not args.skip_first:
