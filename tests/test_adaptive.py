@@ -4,6 +4,7 @@ Regions run op by op until their fused executable is compiled in the background;
 fused path wait for it with ``adaptive.wait_for_compiles()`` (counts, never timing).
 """
 
+import contextlib
 import gc
 import subprocess
 import sys
@@ -481,6 +482,17 @@ def test_cnn_with_batchnorm_matches_cpu():
     assert_losses_match(cpu, neu)
 
 
+@contextlib.contextmanager
+def _adaptive_from_scratch(monkeypatch):
+    """Adaptive mode with no known region and fresh metrics; regions compile as soon as they repeat."""
+    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 1.0)
+    with torchneuron.eager_mode("adaptive"):
+        adaptive_mode.wait_for_compiles()
+        adaptive_mode.clear_region_cache()
+        torchneuron.metrics.reset()
+        yield
+
+
 def _dropout_stream():
     torch.manual_seed(123)
     x = torch.ones(64, device="neuron", requires_grad=True)
@@ -490,12 +502,8 @@ def _dropout_stream():
 
 
 def test_rng_streams_and_autograd_identical_to_plain(monkeypatch):
-    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 1.0)
     plain = _dropout_stream()
-    with torchneuron.eager_mode("adaptive"):
-        adaptive_mode.wait_for_compiles()
-        adaptive_mode.clear_region_cache()
-        torchneuron.metrics.reset()
+    with _adaptive_from_scratch(monkeypatch):
         runs = [_dropout_stream()]                 # op by op
         runs.append(_dropout_stream())
         adaptive_mode.wait_for_compiles()
@@ -518,12 +526,8 @@ def _generator_stream():
 
 
 def test_replayed_random_ops_draw_from_their_generator_argument(monkeypatch):
-    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 1.0)
     plain = _generator_stream()
-    with torchneuron.eager_mode("adaptive"):
-        adaptive_mode.wait_for_compiles()
-        adaptive_mode.clear_region_cache()
-        torchneuron.metrics.reset()
+    with _adaptive_from_scratch(monkeypatch):
         fused = _generator_stream()
     assert all(torch.equal(a, b) for a, b in zip(plain, fused))
     assert m("region_cache_hits") >= 1 and m("region_replayed_ops") > 0
@@ -549,12 +553,8 @@ def _memory_trace():
 
 
 def test_memory_statistics_identical_to_plain(monkeypatch):
-    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 1.0)
     plain = _memory_trace()
-    with torchneuron.eager_mode("adaptive"):
-        adaptive_mode.wait_for_compiles()
-        adaptive_mode.clear_region_cache()
-        torchneuron.metrics.reset()
+    with _adaptive_from_scratch(monkeypatch):
         runs = [_memory_trace(), _memory_trace()]
         adaptive_mode.wait_for_compiles()
         runs.append(_memory_trace())
