@@ -103,10 +103,17 @@ def _generic(cls_name: str, device: str) -> str | None:
     return None
 
 
+def run_order(file: str, ids) -> list:
+    """The order a file's tests run in: by sha1 of ``file::id``, the same on every machine and run.
+    A run stopped part-way (the complete test_ops run takes days on 2 cores) has then covered a
+    uniform sample of the file's classes, tests and ops, not its alphabetically first tests."""
+    return sorted(ids, key=lambda t: hashlib.sha1(f"{file}::{t}".encode()).digest())
+
+
 def sample_ids(file: str, ids, n: int) -> set:
-    """A deterministic sample of ``n`` tests of a file: the same tests on every machine and run
-    (the ``n`` smallest sha1 of ``file::id``), spread over the file's classes and ops."""
-    return set(sorted(ids, key=lambda t: hashlib.sha1(f"{file}::{t}".encode()).digest())[:n])
+    """A deterministic sample of ``n`` tests of a file: the first ``n`` of ``run_order`` (so a
+    larger sample contains a smaller one, and a sample's results count for the complete run)."""
+    return set(run_order(file, ids)[:n])
 
 
 # -- expectations -----------------------------------------------------------------------------------
@@ -219,6 +226,8 @@ def _run_worker(args) -> int:
         import torchneuron
         torchneuron.register()
         metrics = torchneuron.metrics
+        if args.jax_cache:
+            _enable_jax_cache(args.jax_cache)
     else:
         metrics = None
     path = Path(args.tests_dir) / args.file
@@ -282,9 +291,10 @@ def _run_worker(args) -> int:
         Path(str(out) + ".total").write_text(str(len(tests)))
         if args.select:
             tests = [t for t in tests if any(fnmatch.fnmatchcase(t[2], p) for p in args.select.split(","))]
+        by_id = {t[2]: t for t in tests}
+        tests = [by_id[t] for t in run_order(args.file, by_id)]
         if args.sample:
-            chosen = sample_ids(args.file, [t for _, _, t in tests], args.sample)
-            tests = [t for t in tests if t[2] in chosen]
+            tests = tests[:args.sample]
         for cls, method, tid in tests:
             if tid in done or (only is not None and tid not in only):
                 continue
@@ -319,6 +329,19 @@ def _run_worker(args) -> int:
     return 0
 
 
+def _enable_jax_cache(path: str) -> None:
+    """Eager executables through JAX's persistent cache: the samples' shapes recur from test to
+    test and from run to run (assertEqual alone compiles hundreds of comparisons per test), and
+    compiling dominates a test's time. torch.compile's graphs use the same directory."""
+    import jax
+
+    import torchneuron
+    torchneuron.config.cache_dir = path
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def _rss() -> int:
     """Resident bytes now (0 where /proc is not there)."""
     try:
@@ -348,7 +371,7 @@ def results_path(results_dir: Path, device: str, file: str) -> Path:
 
 def run_file(file: str, device: str, tests_dir: Path, results_dir: Path, expectations: Expectations,
              timeout: float, sample: int = 0, only: list[str] | None = None, log=print,
-             show: bool = False, select: str | None = None) -> None:
+             show: bool = False, select: str | None = None, jax_cache: str = "") -> None:
     """Run one upstream file to completion, restarting the worker after crashes and timeouts."""
     out = results_path(results_dir, device, file)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -372,6 +395,8 @@ def run_file(file: str, device: str, tests_dir: Path, results_dir: Path, expecta
         cmd += ["--show", "1"]
     if select:
         cmd += ["--select", select]
+    if jax_cache and device == "neuron":
+        cmd += ["--jax-cache", jax_cache]
     restarts = 0
     while True:
         current.unlink(missing_ok=True)
@@ -769,6 +794,9 @@ def main(argv=None) -> int:
                    help="comma-separated fnmatch patterns of neutral test ids to run")
     p.add_argument("--show", metavar="FILE::TEST",
                    help="run one test (neutral id) on neuron and print its traceback")
+    p.add_argument("--jax-cache", metavar="DIR",
+                   help="JAX's persistent compilation cache for the neuron workers (default: "
+                   "RESULTS/jax-cache; 'none' turns it off)")
     p.add_argument("--allow-unverified", action="store_true",
                    help="run files whose blob sha1 does not match SOURCES.tsv")
     # worker mode (internal)
@@ -800,12 +828,14 @@ def main(argv=None) -> int:
         elif s and s["status"] == "HASH MISMATCH":
             print(f"{f}: blob sha1 {s['sha1']} matches no row of SOURCES.tsv; not run "
                   "(--allow-unverified runs it)")
+    jax_cache = "" if args.jax_cache == "none" else \
+        str(Path(args.jax_cache or Path(args.results) / "jax-cache").resolve())
     if args.show:
         import tempfile
         file, test = args.show.split("::")
         with tempfile.TemporaryDirectory() as tmp:
             run_file(file, "neuron", tests_dir, Path(tmp), expectations, args.timeout, only=[test],
-                     show=True)
+                     show=True, jax_cache=jax_cache)
             print(results_path(Path(tmp), "neuron", file).read_text())
         return 0
     meta_path = results_dir / "meta.json"
@@ -833,7 +863,7 @@ def main(argv=None) -> int:
             log(f"{f}: running on neuron")
             sample = CI_SAMPLE_PER_FILE.get(f, CI_SAMPLE) if args.ci_sample else args.sample
             run_file(f, "neuron", tests_dir, results_dir, expectations, args.timeout, sample, log=log,
-                     select=args.select)
+                     select=args.select, jax_cache=jax_cache)
             log(f"{f}: done in {time.time() - t0:.0f} s")
 
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
