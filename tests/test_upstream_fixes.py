@@ -134,3 +134,52 @@ def test_adaptive_pooling_rejects_integers_like_cpu(fn, dtype):
         fn(x.to("neuron"))
     floating = x.float()
     torch.testing.assert_close(fn(floating.to("neuron")).cpu(), fn(floating))
+
+
+# TestPoolingNNDeviceType.test_FractionalMaxPool3d_zero_samples: ATen's checks of _random_samples
+# (the 3-D meta kernel does not make them) reached the user as "compiling ... failed ... a
+# torchneuron bug", or not at all (wrong sample width, integer input).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+@pytest.mark.parametrize("samples", [(6, 3), (1, 3, 3), (2, 3, 2), (2, 2, 3), (2, 3, 3, 1), (2, 3, 3)],
+                         ids=["2-d", "too-few-rows", "width-2", "channels", "4-d", "valid"])
+def test_fractional_max_pool3d_checks_samples_like_cpu(samples, dtype):
+    x = torch.arange(2 * 3 * 512).reshape(2, 3, 8, 8, 8).to(dtype)
+    s = torch.rand(samples, generator=torch.Generator().manual_seed(0))
+    expected = _error(lambda d: torch.nn.functional.fractional_max_pool3d(
+        x.to(d), 2, output_size=3, _random_samples=s.to(d)), "cpu")
+    if samples == (2, 3, 3) and dtype == torch.float32:
+        assert expected is None
+    else:
+        assert expected is not None
+    try:
+        torch.nn.functional.fractional_max_pool3d(x.to("neuron"), 2, output_size=3, _random_samples=s.to("neuron"))
+        got = None
+    except RuntimeError as err:
+        assert type(err) is RuntimeError and "torchneuron bug" not in str(err)
+        got = str(err).splitlines()[0]
+    assert got == expected
+
+
+# TestPoolingNNDeviceType.test_max_pool3d_ndhwc: an unbatched (C, D, H, W) input laid out as a
+# squeezed channels_last_3d batch gets channels-last results and indices from ATen's CPU kernel;
+# neuron followed PyTorch's meta kernel (contiguous).
+@pytest.mark.parametrize("layout", ["squeezed-channels-last-3d", "contiguous", "batched-channels-last-3d"])
+def test_max_pool3d_result_layout_matches_cpu(layout):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1 if layout.startswith("squeezed") else 2, 4, 6, 5, 7, generator=gen)
+    if "channels-last" in layout:
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+    if layout != "batched-channels-last-3d":
+        x = x.squeeze(0) if layout.startswith("squeezed") else x[0]
+    expected, expected_idx = torch.nn.functional.max_pool3d(x, 2, 2, return_indices=True)
+    got, got_idx = torch.nn.functional.max_pool3d(x.to("neuron"), 2, 2, return_indices=True)
+    assert (got.stride(), got_idx.stride()) == (expected.stride(), expected_idx.stride())
+    torch.testing.assert_close(got.cpu(), expected)
+    torch.testing.assert_close(got_idx.cpu(), expected_idx)
+    xn = x.to("neuron").requires_grad_()
+    x = x.clone().requires_grad_()
+    grad = torch.randn(expected.shape, generator=gen)
+    torch.nn.functional.max_pool3d(x, 2, 2).backward(grad)
+    torch.nn.functional.max_pool3d(xn, 2, 2).backward(grad.to("neuron"))
+    assert xn.grad.stride() == x.grad.stride()
+    torch.testing.assert_close(xn.grad.cpu(), x.grad)

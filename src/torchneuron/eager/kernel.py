@@ -28,7 +28,7 @@ from jax._src import config as jax_config
 
 from ..config import config, observe
 from ..metrics import metrics
-from ..ops.registry import NotImplementedForDtype
+from ..ops.registry import InvalidArguments, NotImplementedForDtype
 from ..ops.signature import (
     OPT_SCALAR,
     OPT_TENSOR,
@@ -206,13 +206,15 @@ class Kernel(OpSignature):
         """Shapes, dtypes and the traced body of this call's executable (not compiled yet)."""
         meta_out = self._run_meta(values)
         new_meta = self.new_output_metas(meta_out)
+        layouts = self.lowering.output_strides and self.lowering.output_strides(new_meta, values)
         out_specs = []
-        for m in new_meta:
+        for i, m in enumerate(new_meta):
             if m is None:      # an output the caller masked off (backward ops' output_mask)
                 out_specs.append(None)
                 continue
             dtype = device_dtype(m.dtype, self.short_name)
-            sizes, strides = tuple(m.shape), tuple(m.stride())
+            sizes = tuple(m.shape)
+            strides = tuple(layouts[i] if layouts and layouts[i] is not None else m.stride())
             if not layout.is_dense(sizes, strides):
                 strides = memory.contiguous_strides(sizes)
             out_specs.append((dtype, sizes, strides))
@@ -287,6 +289,9 @@ class Kernel(OpSignature):
         if isinstance(err, NotImplementedForDtype):
             # A lowering rejecting a dtype as ATen's kernels do (ops.numerics.require_floating).
             raise NotImplementedForDtype(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
+        if isinstance(err, InvalidArguments):
+            # A lowering rejecting an argument as ATen's kernel does: PyTorch's RuntimeError.
+            raise RuntimeError(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
         error = self.compile_error(values, err)
         if error is err:
             raise err
@@ -314,7 +319,8 @@ class Kernel(OpSignature):
             return self._shape_from_lowering(values)
         except (RuntimeError, IndexError, ValueError, TypeError) as err:
             # PyTorch's own shape/dtype check failed: keep its message, add the op and inputs.
-            raise type(err)(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
+            cls = NotImplementedError if isinstance(err, NotImplementedError) else RuntimeError
+            raise cls(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
 
     def _shape_from_lowering(self, values):
         # No meta kernel: ask JAX for the output shapes of the lowering itself.
