@@ -135,6 +135,15 @@ def test_runner_records_crashes_and_timeouts_and_resumes(fake_tests, tmp_path):
     lines = (results / "neuron" / "test_fake.py.jsonl").read_text().splitlines()
     assert len(lines) == 6, lines
     assert r2.returncode == 1
+    # --rerun runs chosen tests again (once each: the crash is not retried forever); the new
+    # results replace the old.
+    r3 = _run("--tests-dir", str(tests_dir), "--files", "test_fake.py", "--results", str(results),
+              "--expectations", str(exp), "--output", str(out), "--timeout", "15",
+              "--rerun", "TestFake.test_wrong,TestFake.test_cr*")
+    assert "running 2 tests again" in r3.stdout, r3.stdout
+    lines = (results / "neuron" / "test_fake.py.jsonl").read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines[6:]] == ["TestFake.test_crash", "TestFake.test_wrong"] \
+        or [json.loads(line)["id"] for line in lines[6:]] == ["TestFake.test_wrong", "TestFake.test_crash"], lines
 
 
 def test_runner_refuses_a_file_whose_hash_does_not_match(fake_tests, tmp_path):

@@ -234,7 +234,8 @@ def _run_worker(args) -> int:
     module = _load_module(path)
     classes = FILES.get(args.file)
     out = Path(args.out)
-    done = _done_ids(out)
+    # A re-run counts as done only what it recorded itself (from line --rerun-from on).
+    done = _done_ids(out, args.rerun_from or 0)
     only = set(Path(args.only).read_text().split()) if args.only else None
     skips = json.loads(args.skip) if args.skip else []
     current = Path(str(out) + ".current")
@@ -351,17 +352,17 @@ def _rss() -> int:
 
 
 def _records(path: Path):
-    """The JSON lines of a results file (a line cut short by a crash is skipped)."""
+    """The JSON lines of a results file, one per line ({} for a line cut short by a crash)."""
     if path.exists():
         for line in path.read_text().splitlines():
             try:
                 yield json.loads(line)
             except json.JSONDecodeError:
-                continue
+                yield {}
 
 
-def _done_ids(out: Path) -> set:
-    return {r["id"] for r in _records(out) if "id" in r}
+def _done_ids(out: Path, from_line: int = 0) -> set:
+    return {r["id"] for n, r in enumerate(_records(out)) if "id" in r and n >= from_line}
 
 
 # -- the parent: workers, timeouts, crashes ---------------------------------------------------------
@@ -371,8 +372,10 @@ def results_path(results_dir: Path, device: str, file: str) -> Path:
 
 def run_file(file: str, device: str, tests_dir: Path, results_dir: Path, expectations: Expectations,
              timeout: float, sample: int = 0, only: list[str] | None = None, log=print,
-             show: bool = False, select: str | None = None, jax_cache: str = "") -> None:
-    """Run one upstream file to completion, restarting the worker after crashes and timeouts."""
+             show: bool = False, select: str | None = None, jax_cache: str = "",
+             rerun: bool = False) -> None:
+    """Run one upstream file to completion, restarting the worker after crashes and timeouts.
+    ``rerun``: run the ``only`` tests again although they have results (the new ones count)."""
     out = results_path(results_dir, device, file)
     out.parent.mkdir(parents=True, exist_ok=True)
     current = Path(str(out) + ".current")
@@ -397,6 +400,8 @@ def run_file(file: str, device: str, tests_dir: Path, results_dir: Path, expecta
         cmd += ["--select", select]
     if jax_cache and device == "neuron":
         cmd += ["--jax-cache", jax_cache]
+    if rerun:
+        cmd += ["--rerun-from", str(sum(1 for _ in _records(out)))]
     restarts = 0
     while True:
         current.unlink(missing_ok=True)
@@ -448,6 +453,13 @@ def run_file(file: str, device: str, tests_dir: Path, results_dir: Path, expecta
 FAILING = ("failed", "error", "crashed", "timeout")
 
 
+def rerun_ids(recs: dict, patterns: str) -> list[str]:
+    """The tests of one file's results that ``--rerun PATTERNS`` runs again."""
+    pats = patterns.split(",")
+    return sorted(t for t, r in recs.items() if t != "<collection>" and any(
+        r["status"] in FAILING if p == "failing" else fnmatch.fnmatchcase(t, p) for p in pats))
+
+
 def complete_files(results: dict, totals: dict) -> set:
     """Files whose every collected test has a result."""
     return {f for f, recs in results.items() if totals.get(f) and len(recs) >= totals[f]}
@@ -461,7 +473,8 @@ def collected(results_dir: Path, device: str, file: str) -> int | None:
 
 def load_results(results_dir: Path, device: str, files) -> dict[str, dict[str, dict]]:
     """file -> test id -> its last record (a re-run test's newer record wins)."""
-    return {file: {r["id"]: r for r in _records(results_path(results_dir, device, file))} for file in files}
+    return {file: {r["id"]: r for r in _records(results_path(results_dir, device, file)) if "id" in r}
+            for file in files}
 
 
 def classify(file: str, rec: dict, expectations: Expectations) -> tuple[str, str | None, str | None]:
@@ -790,6 +803,10 @@ def main(argv=None) -> int:
                    help="run the neuron failures on CPU to find version skew")
     p.add_argument("--suggest", action="store_true",
                    help="print expectation entries for failures that have none")
+    p.add_argument("--rerun", metavar="PATTERNS",
+                   help="run again the tests with results whose neutral ids match these comma-separated "
+                   "fnmatch patterns ('failing': every test whose last result failed, crashed or timed "
+                   "out, e.g. after a fix); the new results replace the old")
     p.add_argument("--select", metavar="PATTERNS",
                    help="comma-separated fnmatch patterns of neutral test ids to run")
     p.add_argument("--show", metavar="FILE::TEST",
@@ -805,6 +822,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="neuron", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--only", help=argparse.SUPPRESS)
+    p.add_argument("--rerun-from", type=int, help=argparse.SUPPRESS)
     p.add_argument("--skip", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -862,6 +880,13 @@ def main(argv=None) -> int:
             t0 = time.time()
             log(f"{f}: running on neuron")
             sample = CI_SAMPLE_PER_FILE.get(f, CI_SAMPLE) if args.ci_sample else args.sample
+            if args.rerun:
+                ids = rerun_ids(load_results(results_dir, "neuron", [f])[f], args.rerun)
+                log(f"{f}: running {len(ids)} tests again")
+                if ids:
+                    run_file(f, "neuron", tests_dir, results_dir, expectations, args.timeout, log=log,
+                             only=ids, jax_cache=jax_cache, rerun=True)
+                return
             run_file(f, "neuron", tests_dir, results_dir, expectations, args.timeout, sample, log=log,
                      select=args.select, jax_cache=jax_cache)
             log(f"{f}: done in {time.time() - t0:.0f} s")
