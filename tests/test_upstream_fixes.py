@@ -240,3 +240,129 @@ def test_index_fill_values_like_cpu(dtype, value):
         x = torch.zeros(2, 2, dtype=dtype, device=device)
         return x.index_fill_(1, torch.tensor([0], device=device), v)
     _same_outcome(run)
+
+
+# TestCommon.test_dtypes_*: lowerings computed dtypes ATen's CPU kernels refuse ("abs_cpu" not
+# implemented for 'Bool', complex clamp, bool matmul, integer gelu...). Eager kernels now consult
+# the table of CPU's refusals (ops/cpu_dtype_refusals.py) when they plan an executable.
+_REFUSED = {
+    "abs-bool": lambda d: torch.abs(torch.ones(3, dtype=torch.bool, device=d)),
+    "abs_-bool": lambda d: torch.ones(3, dtype=torch.bool, device=d).abs_(),
+    "abs-out-bool": lambda d: torch.abs(torch.ones(3, dtype=torch.bool, device=d),
+                                        out=torch.empty(3, dtype=torch.bool, device=d)),
+    "gelu-int64": lambda d: torch.nn.functional.gelu(torch.arange(4, device=d)),
+    "clamp_max-complex": lambda d: torch.clamp_max(torch.ones(2, dtype=torch.complex64, device=d),
+                                                   torch.ones(2, dtype=torch.complex64, device=d)),
+    "mm-bool": lambda d: torch.ones(2, 2, dtype=torch.bool, device=d) @ torch.ones(2, 2, dtype=torch.bool, device=d),
+    "lerp-int64": lambda d: torch.lerp(torch.arange(3, device=d), torch.arange(3, device=d), 0.5),
+    "maximum-complex": lambda d: torch.maximum(torch.ones(2, dtype=torch.complex64, device=d),
+                                               torch.ones(2, dtype=torch.complex64, device=d)),
+    "sort-complex": lambda d: torch.sort(torch.ones(3, dtype=torch.complex64, device=d)),
+    "softmax-int64": lambda d: torch.softmax(torch.arange(3, device=d), 0),
+    "std-int64": lambda d: torch.std(torch.arange(3, device=d)),
+    "topk-bool": lambda d: torch.topk(torch.ones(3, dtype=torch.bool, device=d), 2),
+    "hypot-int64": lambda d: torch.hypot(torch.arange(3, device=d), torch.arange(3, device=d)),
+    "frac-int64": lambda d: torch.frac(torch.arange(3, device=d)),
+}
+
+
+@pytest.mark.parametrize("case", list(_REFUSED))
+def test_dtypes_cpu_refuses_are_refused_with_cpus_error(case):
+    fn = _REFUSED[case]
+    with pytest.raises((RuntimeError, NotImplementedError)) as cpu:
+        fn("cpu")
+    with pytest.raises(type(cpu.value)) as neuron:
+        fn("neuron")
+    assert type(neuron.value) is type(cpu.value)
+    assert str(neuron.value).splitlines()[0] == str(cpu.value).splitlines()[0]
+    assert "[torchneuron] in aten::" in str(neuron.value)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda d: torch.abs(torch.arange(-3, 3, device=d)),
+    lambda d: torch.nn.functional.gelu(torch.linspace(-2, 2, 5, device=d)),
+    lambda d: torch.clamp_max(torch.arange(5.0, device=d), torch.full((5,), 2.0, device=d)),
+    lambda d: torch.ones(2, 2, device=d) @ torch.ones(2, 2, device=d),
+    lambda d: torch.lerp(torch.arange(3.0, device=d), torch.ones(3, device=d), 0.5),
+    lambda d: torch.sort(torch.tensor([3, 1, 2], device=d)).values,
+    lambda d: torch.ones(3, dtype=torch.bool, device=d) & torch.zeros(3, dtype=torch.bool, device=d),
+], ids=["abs-int64", "gelu-float", "clamp_max-float", "mm-float", "lerp-float", "sort-int64", "and-bool"])
+def test_dtypes_cpu_accepts_still_run(fn):
+    torch.testing.assert_close(fn("neuron").cpu(), fn("cpu"))
+
+
+def test_dtype_refusals_are_checked_once_per_executable(monkeypatch):
+    """The check runs when a cache entry is planned, never on a cached call."""
+    from torchneuron.ops import cpu_dtypes
+    calls = []
+    real = cpu_dtypes.check
+    monkeypatch.setattr(cpu_dtypes, "check", lambda *a: calls.append(a[0].name) or real(*a))
+    x = torch.arange(7.0, device="neuron")[1:]          # a shape no other test uses
+    for _ in range(3):
+        torch.nn.functional.hardswish(x)
+    assert calls.count("aten::hardswish") == 1
+
+
+def test_dtype_refusals_table_matches_the_pinned_torch():
+    """Regenerate with ``python -m torchneuron.tools.cpu_dtypes`` when torch changes."""
+    from torchneuron.ops import cpu_dtype_refusals
+    assert cpu_dtype_refusals.TORCH_VERSION == torch.__version__
+    assert len(cpu_dtype_refusals.REFUSALS) > 500
+
+
+@pytest.mark.slow
+def test_dtypes_refused_on_cpu_are_refused_on_neuron_for_every_opinfo():
+    """The sweep behind the table (minutes): every OpInfo's first samples in every dtype CPU's
+    kernels refuse must be refused on neuron too."""
+    import warnings
+
+    from torch.testing._internal.common_dtype import all_types_and_complex_and
+    from torch.testing._internal.common_methods_invocations import op_db
+    dtypes = set(all_types_and_complex_and(torch.bool, torch.half, torch.bfloat16)) - {torch.float64,
+                                                                                        torch.complex128}
+    missed = []
+    warnings.simplefilter("ignore")
+    for op in op_db:
+        if op.name.startswith(("sparse", "nn.functional.multi_head")) or "rand" in op.name \
+                or op.name in ("uniform", "normal", "bernoulli", "empty", "empty_like"):
+            continue
+        for dtype in sorted(dtypes - set(op.supported_dtypes("cpu")), key=str):
+            try:
+                sample = next(iter(op.sample_inputs("cpu", dtype)))
+                op(sample.input, *sample.args, **sample.kwargs)
+                continue          # CPU runs it after all
+            except StopIteration:
+                continue
+            except Exception as err:  # noqa: BLE001
+                if "not implemented for" not in str(err):
+                    continue
+            s = sample.transform(lambda t: t.to("neuron") if isinstance(t, torch.Tensor) else t)
+            try:
+                op(s.input, *s.args, **s.kwargs)
+                missed.append(f"{op.name}:{dtype}")
+            except Exception:  # noqa: BLE001
+                pass
+    assert not missed, missed
+
+
+# TestIndexing.test_byte_tensor_assignment: indexing with a uint8 mask warns on CPU (ATen's
+# deprecation); neuron was silent.
+@pytest.mark.parametrize("how", ["get", "set"])
+def test_uint8_mask_indexing_warns_like_cpu(how):
+    import warnings
+
+    def run(device):
+        x = torch.arange(16.0, device=device).view(4, 4)
+        mask = torch.tensor([1, 0, 1, 0], dtype=torch.uint8, device=device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if how == "get":
+                x = x[mask]
+            else:
+                x[mask] = torch.tensor([3.0, 4.0, 5.0, 6.0], device=device)
+        return x.cpu(), [str(w.message).split(" (Triggered")[0] for w in caught if "uint8" in str(w.message)]
+
+    expected, expected_warnings = run("cpu")
+    got, got_warnings = run("neuron")
+    torch.testing.assert_close(got, expected)
+    assert got_warnings == expected_warnings and len(expected_warnings) == 1

@@ -7,6 +7,8 @@ the host and uploaded. Every such read is counted as a device->host copy.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -32,6 +34,9 @@ def _expand_bool_indices(self, indices):
     """Replace boolean masks by the integer index tensors they select (PyTorch semantics)."""
     out = []
     for idx in indices:
+        if idx is not None and idx.dtype == torch.uint8:
+            warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool "
+                          "instead.", UserWarning, stacklevel=3)   # ATen's warning
         if idx is not None and idx.dtype in (torch.bool, torch.uint8):
             positions = nonzero(idx)
             out.extend(positions[:, d] for d in range(idx.dim()))
