@@ -283,7 +283,7 @@ def test_dtypes_cpu_refuses_are_refused_with_cpus_error(case):
     lambda d: torch.nn.functional.gelu(torch.linspace(-2, 2, 5, device=d)),
     lambda d: torch.clamp_max(torch.arange(5.0, device=d), torch.full((5,), 2.0, device=d)),
     lambda d: torch.ones(2, 2, device=d) @ torch.ones(2, 2, device=d),
-    lambda d: torch.lerp(torch.arange(3.0, device=d), torch.ones(3, device=d), 0.5),
+    lambda d: torch.lerp(torch.tensor([0.0, 1.0, 2.0], device=d), torch.ones(3, device=d), 0.5),
     lambda d: torch.sort(torch.tensor([3, 1, 2], device=d)).values,
     lambda d: torch.ones(3, dtype=torch.bool, device=d) & torch.zeros(3, dtype=torch.bool, device=d),
 ], ids=["abs-int64", "gelu-float", "clamp_max-float", "mm-float", "lerp-float", "sort-int64", "and-bool"])
@@ -366,3 +366,23 @@ def test_uint8_mask_indexing_warns_like_cpu(how):
     got, got_warnings = run("neuron")
     torch.testing.assert_close(got, expected)
     assert got_warnings == expected_warnings and len(expected_warnings) == 1
+
+
+# TestMathBits.test_neg_conj_view_*: a tensor with both the neg and the conj bit lost its sign in
+# every kernel that reads lazy math bits (clone, copy_, conversions, mm...): materialising it
+# conjugated the stored values and dropped the negation.
+_MATH_VIEWS = {"neg-conj": lambda z: torch._neg_view(z).conj(), "conj-neg": lambda z: torch._neg_view(z.conj()),
+               "conj": torch.conj, "neg": torch._neg_view}
+_MATH_READS = {"resolve_neg": lambda v: v.resolve_neg(), "resolve_conj": lambda v: v.resolve_conj(),
+               "clone": torch.clone, "to-bfloat16": lambda v: v.to(torch.bfloat16),
+               "copy_": lambda v: torch.empty_like(v).copy_(v), "silu": torch.nn.functional.silu,
+               "mm": lambda v: v.reshape(2, 2) @ v.reshape(2, 2), "add": lambda v: v + 1}
+
+
+@pytest.mark.parametrize("read", list(_MATH_READS))
+@pytest.mark.parametrize("view", list(_MATH_VIEWS))
+def test_neg_and_conj_views_read_like_cpu(view, read):
+    z = torch.tensor([1 + 2j, 3 - 1j, -2 + 0.5j, 0.25 - 4j], dtype=torch.complex64)
+    expected = _MATH_READS[read](_MATH_VIEWS[view](z))
+    got = _MATH_READS[read](_MATH_VIEWS[view](z.to("neuron")))
+    torch.testing.assert_close(got.cpu().resolve_conj().resolve_neg(), expected.resolve_conj().resolve_neg())

@@ -127,10 +127,17 @@ _MATH_BIT_FALLTHROUGH = {   # op -> positions of the tensors it reads
 def _resolve_bits(v):
     if isinstance(v, torch.Tensor):
         # Not resolve_conj(): it copies through copy_, which is one of these kernels.
-        if v.is_conj():
-            v = _kernels["_conj_physical.default"](v.conj())   # conj() of a conj view clears the bit
-        if v.is_neg():
-            v = _kernels["neg.default"](v._neg_view())
+        conj, neg = v.is_conj(), v.is_neg()
+        # Clear both bits first (conj() of a conj view and _neg_view() of a neg view toggle them
+        # off): a kernel reads the stored values, whatever bit is still set on its input.
+        if conj:
+            v = v.conj()
+        if neg:
+            v = v._neg_view()
+        if conj:
+            v = _kernels["_conj_physical.default"](v)
+        if neg:
+            v = _kernels["neg.default"](v)
     return v
 
 

@@ -607,8 +607,10 @@ def render(results: dict, expectations: Expectations, sources: dict, meta: dict,
                  + " | ".join(f"**{total[k]:,}**" for k, _ in COLUMNS) + " |")
     lines.append("")
     lines.append("A dash: the file was not run (see Sources). Where *results* is below the file's test "
-                 "count, the complete run has not reached the rest yet (it resumes: `make upstream`). The "
-                 "classes run per file are listed in `torchneuron.tools.upstream.FILES`.")
+                 "count, the complete run has not reached the rest yet (it resumes: `make upstream`); a "
+                 "file's tests run in a fixed pseudo-random order, so its results so far are a uniform "
+                 "sample of its classes, tests and ops. The classes run per file are listed in "
+                 "`torchneuron.tools.upstream.FILES`.")
     lines += ["", "## Expectations by reason", ""]
     by_entry = defaultdict(Counter)
     for file, recs in results.items():
