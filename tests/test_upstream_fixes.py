@@ -386,3 +386,25 @@ def test_neg_and_conj_views_read_like_cpu(view, read):
     expected = _MATH_READS[read](_MATH_VIEWS[view](z))
     got = _MATH_READS[read](_MATH_VIEWS[view](z.to("neuron")))
     torch.testing.assert_close(got.cpu().resolve_conj().resolve_neg(), expected.resolve_conj().resolve_neg())
+
+
+# TestCompositeCompliance.test_cow_input_*: torch._lazy_clone raised ATen's "Expected storage !=
+# nullptr" for any neuron tensor (copy-on-write cannot share a DLPack storage); it now copies.
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "offset-view"])
+def test_lazy_clone_copies_like_cpu(layout):
+    base = torch.randn(4, 5, generator=torch.Generator().manual_seed(0), requires_grad=False)
+
+    def make(device):
+        x = base.to(device)
+        return x.t() if layout == "transposed" else x[1:, 2:] if layout == "offset-view" else x
+
+    for device in ("cpu", "neuron"):
+        x = make(device)
+        y = torch._lazy_clone(x)
+        assert y.shape == x.shape and y.stride() == x.stride()
+        torch.testing.assert_close(y.cpu(), make("cpu"))
+        y.add_(1)   # the clone is independent: the source keeps its values
+        torch.testing.assert_close(x.cpu(), make("cpu"))
+    x = base.to("neuron").requires_grad_()
+    torch._lazy_clone(x).sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), torch.ones_like(base))

@@ -105,6 +105,7 @@ def _kernel_table() -> dict:
     table["_copy_from.default"] = storage_ops.copy_from
     table["_local_scalar_dense.default"] = storage_ops.local_scalar_dense
     table["resize_.default"] = storage_ops.resize_
+    table["_lazy_clone.default"] = storage_ops.lazy_clone
     for name in _METADATA_OPS:
         table[name] = _redispatch_cpu(aten_overload(name))
     for name, read in _MATH_BIT_FALLTHROUGH.items():

@@ -147,3 +147,10 @@ def local_scalar_dense(t: torch.Tensor):
 def copy_from(self, dst, non_blocking=False):
     """``aten::_copy_from(self, dst)``: ``dst.copy_(self)``."""
     return copy_(dst, self, non_blocking)
+
+
+def lazy_clone(self: torch.Tensor) -> torch.Tensor:
+    """``torch._lazy_clone``: copy-on-write shares the allocation until a write, which needs a storage
+    whose data pointer is the allocation itself; a neuron storage is a DLPack capsule (ATen refuses
+    with "Expected storage != nullptr"). An eager copy gives the same values and independence."""
+    return torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device=self.device).copy_(self)
