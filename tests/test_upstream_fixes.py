@@ -130,7 +130,7 @@ def test_adaptive_pooling_rejects_integers_like_cpu(fn, dtype):
     x = torch.arange(256).reshape(4, 4, 4, 4).to(dtype)
     with pytest.raises(NotImplementedError, match="not implemented for"):
         fn(x)
-    with pytest.raises(NotImplementedError, match=r"adaptive_(avg|max)_pool\dd\" not implemented for '(Long|Byte)'"):
+    with pytest.raises(NotImplementedError, match=r"adaptive_(avg|max)_pool\dd(_cpu)?\" not implemented for '(Long|Byte)'"):
         fn(x.to("neuron"))
     floating = x.float()
     torch.testing.assert_close(fn(floating.to("neuron")).cpu(), fn(floating))

@@ -28,6 +28,7 @@ from jax._src import config as jax_config
 
 from ..config import config, observe
 from ..metrics import metrics
+from ..ops import cpu_dtypes
 from ..ops.registry import InvalidArguments, NotImplementedForDtype
 from ..ops.signature import (
     OPT_SCALAR,
@@ -205,6 +206,8 @@ class Kernel(OpSignature):
     def _plan(self, values, specs, ctx):
         """Shapes, dtypes and the traced body of this call's executable (not compiled yet)."""
         meta_out = self._run_meta(values)
+        # After PyTorch's meta checks, as on CPU (shape errors first, then the kernel's dtypes).
+        cpu_dtypes.check(self, values, _describe)
         new_meta = self.new_output_metas(meta_out)
         layouts = self.lowering.output_strides and self.lowering.output_strides(new_meta, values)
         out_specs = []
