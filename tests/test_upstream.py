@@ -62,6 +62,39 @@ def test_the_project_expectations_file_is_valid():
             assert entry["reason"].strip() and not entry["reason"].startswith("TODO"), (file, pattern)
 
 
+def test_compats_let_older_files_load_under_the_pinned_torch():
+    """Names and idioms of the obtained files' revisions that torch 2.13 changed."""
+    import torch
+    from torch.testing._internal import common_cuda, common_methods_invocations, common_utils
+    upstream._install_compat()
+    assert common_methods_invocations.binary_ufuncs_and_refs is common_methods_invocations.binary_ufuncs
+    assert common_utils.skipIfMps is common_utils.skipIfMPS
+    assert callable(common_cuda.tf32_is_not_fp32)
+
+    def test_bare(self):
+        return 1
+    assert common_utils.skipIfTorchDynamo(test_bare)(None) is None     # a bare decorator
+    assert callable(common_utils.skipIfTorchDynamo("why")(test_bare))
+
+    class Base(common_utils.TestCase):
+        def setUp(self):
+            super(self.__class__, self).setUp()     # test_linalg's idiom
+
+    class Device(Base):                             # what instantiate_device_type_tests builds
+        def test_x(self):
+            pass
+
+    module = type(sys)("m")
+    module.TestLinalg = Base
+    upstream._fix_super_self_class(module, "TestLinalg")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    case = Device("test_x")
+    case.setUp()                                    # recursed forever before
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+    case.tearDown()
+    assert torch.backends.cuda.matmul.allow_tf32 is True
+
+
 FAKE = '''
 import os, time, torch
 from torch.testing._internal.common_device_type import instantiate_device_type_tests

@@ -160,23 +160,70 @@ def _skip_ops(*args):
     return skipOps(args[-1])
 
 
+def _skip_if_torch_dynamo(msg="test doesn't currently work with dynamo"):
+    """Older files write a bare ``@skipIfTorchDynamo``; torch 2.13's asserts it gets a message."""
+    if callable(msg):
+        return _SKIP_IF_TORCH_DYNAMO()(msg)
+    return _SKIP_IF_TORCH_DYNAMO(msg)
+
+
+_SKIP_IF_TORCH_DYNAMO = None
+
+
 COMPAT_NAMES = {
     "torch.testing._internal.common_methods_invocations": {
         "skip": "torch.testing._internal.common_device_type:skip",
         "xfail": "torch.testing._internal.common_device_type:xfail",
         "skipOps": f"{__name__}:_skip_ops",
+        # torch 2.13's binary_ufuncs holds the Python references too.
+        "binary_ufuncs_and_refs": "torch.testing._internal.common_methods_invocations:binary_ufuncs",
+    },
+    "torch.testing._internal.common_utils": {
+        "skipIfMps": "torch.testing._internal.common_utils:skipIfMPS",
+    },
+    "torch.testing._internal.common_cuda": {
+        "tf32_is_not_fp32": "torch.testing._internal.common_mkldnn:tf32_is_not_fp32",
     },
 }
 
 
 def _install_compat():
     import importlib
+    global _SKIP_IF_TORCH_DYNAMO
     for where, names in COMPAT_NAMES.items():
         module = importlib.import_module(where)
         for name, source in names.items():
             if not hasattr(module, name):
                 mod, attr = source.split(":")
                 setattr(module, name, getattr(importlib.import_module(mod), attr))
+    from torch.testing._internal import common_utils
+    if _SKIP_IF_TORCH_DYNAMO is None:
+        _SKIP_IF_TORCH_DYNAMO = common_utils.skipIfTorchDynamo
+        common_utils.skipIfTorchDynamo = _skip_if_torch_dynamo
+
+
+def _fix_super_self_class(module, generic: str) -> None:
+    """test_linalg's ``TestLinalg.setUp/tearDown`` call ``super(self.__class__, self)``, which
+    recurses forever now that the device class subclasses the generic one: call the generic
+    class's successor in the test's MRO instead, keeping what they do (matmul TF32 off)."""
+    import torch
+    cls = getattr(module, generic)
+
+    def setUp(self):                    # noqa: N802 - unittest's name
+        super(cls, self).setUp()
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    def tearDown(self):                 # noqa: N802
+        torch.backends.cuda.matmul.allow_tf32 = True
+        super(cls, self).tearDown()
+
+    cls.setUp, cls.tearDown = setUp, tearDown
+
+
+# Per file, what the worker changes in the loaded module (the file itself stays as published).
+COMPAT_AFTER_LOAD = {
+    "test_linalg.py": lambda module: _fix_super_self_class(module, "TestLinalg"),
+}
 
 
 def _load_module(path: Path):
@@ -232,6 +279,8 @@ def _run_worker(args) -> int:
         metrics = None
     path = Path(args.tests_dir) / args.file
     module = _load_module(path)
+    if args.file in COMPAT_AFTER_LOAD:
+        COMPAT_AFTER_LOAD[args.file](module)
     classes = FILES.get(args.file)
     out = Path(args.out)
     # A re-run counts as done only what it recorded itself (from line --rerun-from on).
