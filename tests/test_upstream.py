@@ -162,6 +162,7 @@ def test_runner_records_crashes_and_timeouts_and_resumes(fake_tests, tmp_path):
     assert "test_wrong" not in r.stdout
     md = out.read_text()
     assert "| test_fake.py | 6 | 6 | 3 | 0 |" in md   # tests, results, passed, failed outside expectations
+    assert [ln for ln in md.splitlines() if ln.startswith("| test_fake.py |")][0].endswith("| complete |")
     # Resuming runs nothing again (no worker starts: a second crash would be recorded twice).
     r2 = _run("--tests-dir", str(tests_dir), "--files", "test_fake.py", "--results", str(results),
               "--expectations", str(exp), "--output", str(out), "--timeout", "15")

@@ -642,18 +642,21 @@ def render(results: dict, expectations: Expectations, sources: dict, meta: dict,
     for key, label in REASON_CLASSES.items():
         lines.append(f"  - {label}: {total['expected:' + key]:,}")
     totals = totals or {}
+    complete = complete_files(results, totals)
     lines += ["", "## Per file", "",
-              "| file | tests in its neuron classes | " + " | ".join(label for _, label in COLUMNS) + " |",
-              "|---" * (len(COLUMNS) + 2) + "|"]
+              "| file | tests in its neuron classes | " + " | ".join(label for _, label in COLUMNS) + " | run |",
+              "|---" * (len(COLUMNS) + 3) + "|"]
     for file in results:
         c = per_file[file]
         n = f"{totals[file]:,}" if totals.get(file) else "—"
         if not c["results"]:
-            lines.append(f"| {file} | {n} | " + " | ".join("—" for _ in COLUMNS) + " |")
+            lines.append(f"| {file} | {n} | " + " | ".join("—" for _ in COLUMNS) + " | not run |")
             continue
-        lines.append(f"| {file} | {n} | " + " | ".join(f"{c[k]:,}" for k, _ in COLUMNS) + " |")
+        run = "complete" if file in complete else \
+            f"sample ({100 * len(results[file]) / totals[file]:.1f}%)" if totals.get(file) else "sample"
+        lines.append(f"| {file} | {n} | " + " | ".join(f"{c[k]:,}" for k, _ in COLUMNS) + f" | {run} |")
     lines.append(f"| **total** | **{sum(v for v in totals.values() if v):,}** | "
-                 + " | ".join(f"**{total[k]:,}**" for k, _ in COLUMNS) + " |")
+                 + " | ".join(f"**{total[k]:,}**" for k, _ in COLUMNS) + " | |")
     lines.append("")
     lines.append("A dash: the file was not run (see Sources). Where *results* is below the file's test "
                  "count, the complete run has not reached the rest yet (it resumes: `make upstream`); a "
