@@ -408,3 +408,13 @@ def test_lazy_clone_copies_like_cpu(layout):
     x = base.to("neuron").requires_grad_()
     torch._lazy_clone(x).sum().backward()
     torch.testing.assert_close(x.grad.cpu(), torch.ones_like(base))
+
+
+# TestTorchDeviceType.test_storage: a slice of an UntypedStorage (a storage that starts inside
+# another) said the storage "has been freed"; it is not supported, and the error says so.
+def test_storage_slice_is_refused_with_a_way_out():
+    cpu = torch.arange(15, dtype=torch.int8)
+    storage = cpu.to("neuron").untyped_storage()
+    assert list(storage.cpu()[2:4]) == list(cpu.untyped_storage()[2:4])
+    with pytest.raises(RuntimeError, match=r"slice of another storage .*storage\.cpu\(\)"):
+        list(storage[2:3])

@@ -251,10 +251,19 @@ def storage_address(t: torch.Tensor) -> int:
 
 def record_of(t: torch.Tensor) -> StorageRecord:
     """The allocator record behind a neuron tensor, or a clear error if there is none."""
-    rec = allocator.records.get(t.untyped_storage().data_ptr())
+    ptr = t.untyped_storage().data_ptr()
+    rec = allocator.records.get(ptr)
     if rec is None:
         if t.device.type != "neuron":
             raise RuntimeError(f"torchneuron: expected a neuron tensor, got one on {t.device}")
+        inside = next((a for a, r in list(allocator.records.items()) if a < ptr < a + max(r.nbytes, 1)), None)
+        if inside is not None:
+            # UntypedStorage.__getitem__ with a slice makes a storage that starts inside another.
+            raise RuntimeError(
+                f"torchneuron: this neuron tensor (shape {tuple(t.shape)}, {t.dtype}) lives on a slice of "
+                f"another storage (UntypedStorage[start:stop], starting at byte {ptr - inside}), which "
+                "neuron does not support. Index the tensor instead, or copy the storage to CPU "
+                "(storage.cpu()) before slicing it.")
         raise RuntimeError(
             f"torchneuron: the storage of this neuron tensor (shape {tuple(t.shape)}, {t.dtype}) has "
             "been freed or resized to zero bytes; it can no longer be read. Keep a reference to the "
