@@ -76,16 +76,16 @@ def test_compats_let_older_files_load_under_the_pinned_torch():
     assert common_utils.skipIfTorchDynamo(test_bare)(None) is None     # a bare decorator
     assert callable(common_utils.skipIfTorchDynamo("why")(test_bare))
 
-    class Base(common_utils.TestCase):
+    class TestLinalg(common_utils.TestCase):
         def setUp(self):
             super(self.__class__, self).setUp()     # test_linalg's idiom
 
-    class Device(Base):                             # what instantiate_device_type_tests builds
+    class Device(TestLinalg):                       # what instantiate_device_type_tests builds
         def test_x(self):
             pass
 
     module = type(sys)("m")
-    module.TestLinalg = Base
+    module.TestLinalgCPU = Device                   # the generic class is not in the module
     upstream._fix_super_self_class(module, "TestLinalg")
     torch.backends.cuda.matmul.allow_tf32 = True
     case = Device("test_x")
