@@ -418,3 +418,31 @@ def test_storage_slice_is_refused_with_a_way_out():
     assert list(storage.cpu()[2:4]) == list(cpu.untyped_storage()[2:4])
     with pytest.raises(RuntimeError, match=r"slice of another storage .*storage\.cpu\(\)"):
         list(storage[2:3])
+
+
+# TestTensorCreation.test_logspace: an out= view with as many elements as the result keeps its shape
+# and is filled in its element order (ATen resizes only when the element count differs); neuron
+# followed PyTorch's Python reference, which resized the view and wrote past it into its base.
+@pytest.mark.parametrize("fn", [
+    lambda o: torch.linspace(0, 3, 4, out=o),
+    lambda o: torch.logspace(0, 3, 4, base=2, out=o),
+    lambda o: torch.arange(4, out=o),
+    lambda o: torch.arange(1, 5, 1, out=o),
+], ids=["linspace", "logspace", "arange", "arange-start"])
+def test_factory_out_view_keeps_its_shape_like_cpu(fn):
+    cpu = torch.zeros(2, 3)
+    neuron = cpu.to("neuron")
+    expected = fn(cpu.narrow(1, 1, 2))
+    got = fn(neuron.narrow(1, 1, 2))
+    assert got.shape == expected.shape
+    torch.testing.assert_close(neuron.cpu(), cpu)
+
+
+# resize_ growing a non-contiguous view read it with view(-1) (which fails) and kept only its
+# elements; PyTorch keeps the whole old storage as the new one's prefix.
+def test_resize_grows_a_strided_view_like_cpu():
+    cpu = torch.arange(6.0).reshape(2, 3).narrow(1, 1, 2)
+    neuron = torch.arange(6.0).reshape(2, 3).to("neuron").narrow(1, 1, 2)
+    cpu.resize_(7)
+    neuron.resize_(7)
+    torch.testing.assert_close(neuron[:5].cpu(), cpu[:5])

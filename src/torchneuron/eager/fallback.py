@@ -33,6 +33,10 @@ _warned: set[str] = set()
 _SKIP_DECOMPOSITION = {
     "aten::_to_copy", "aten::copy_", "aten::lift_fresh", "aten::item", "aten::_local_scalar_dense",
 }
+# ATen's kernels for these resize ``out`` only when its element count differs from the result's: an
+# ``out`` of another shape (a (2, 2) view for 4 steps) keeps its shape and is filled in its element
+# order. PyTorch's Python references resize it to the result's shape, which rewrites a view's layout.
+_KEEP_OUT_SHAPE = {"aten::linspace.out", "aten::logspace.out", "aten::arange.out", "aten::arange.start_out"}
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -85,7 +89,7 @@ def neuron_fallback(op, *args, **kwargs):
 def _neuron_fallback(op, *args, **kwargs):
     name = op.name()
     if name not in _SKIP_DECOMPOSITION:
-        decomp = decomposition_table.get(op)
+        decomp = None if name in _KEEP_OUT_SHAPE else decomposition_table.get(op)
         active = _active()
         if decomp is not None and op not in active:
             metrics.decompositions[name.split("::", 1)[1]] += 1
@@ -125,6 +129,8 @@ def _out_via_functional(op, functional, args, kwargs):
         active.discard(functional)
     results = result if isinstance(result, tuple) else (result,)
     for out, value in zip(outs, results):
+        if op.name() in _KEEP_OUT_SHAPE and out.numel() == value.numel():
+            value = value.reshape(out.shape)
         write_out(out, value, op.name())
     return outs[0] if len(outs) == 1 else tuple(outs)
 

@@ -54,13 +54,16 @@ def resize_(self, size, memory_format=None):
         numel *= s
     needed = (self.storage_offset() + numel) * self.element_size()
     if needed > self.untyped_storage().nbytes():
-        # Grow: a new storage that keeps the old bytes as its prefix, as PyTorch does.
-        old = transfers.device_array(self.view(-1)) if self.numel() else None
+        # Grow: a new storage that keeps the whole old storage as its prefix, as PyTorch does (not
+        # only this tensor's elements: a view may be resized, and its storage holds other data).
+        old_numel = self.untyped_storage().nbytes() // self.element_size()
         fresh = memory.allocator.new_tensor((self.storage_offset() + numel,), (1,), self.dtype,
                                             self.device.index or 0)
-        if old is not None:
+        if old_numel:
+            old = torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+                _CPU, self.new_empty(0), self.untyped_storage(), 0, (old_numel,), (1,))
             with torch.no_grad():
-                fresh[self.storage_offset(): self.storage_offset() + self.numel()].copy_(self.view(-1))
+                fresh[:old_numel].copy_(old)
         torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
             _CPU, self, fresh.untyped_storage(), self.storage_offset(), size,
             memory.contiguous_strides(size))
