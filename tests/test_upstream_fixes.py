@@ -446,3 +446,20 @@ def test_resize_grows_a_strided_view_like_cpu():
     cpu.resize_(7)
     neuron.resize_(7)
     torch.testing.assert_close(neuron[:5].cpu(), cpu[:5])
+
+
+# TestConvolutionNNDeviceType.test_conv_backend_empty_*: an input without channels makes a result
+# without channels on CPU (ATen's empty backend); the lowering gave the weight's channels and failed.
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(2, 0, 7, 8, 9), (0, 0, 7, 8, 9), (2, 0, 7, 8)])
+def test_convolution_without_input_channels_like_cpu(shape, bias):
+    k = len(shape) - 2
+    x = torch.randn(shape)
+    w = torch.randn((12, 0) + (3,) * k)
+    args = ([1] * k, [0] * k, [1] * k, False, [0] * k, 3)
+    bias = torch.randn(12) if bias else None
+    expected = torch.ops.aten.convolution(x, w, bias, *args)
+    got = torch.ops.aten.convolution(x.to("neuron"), w.to("neuron"),
+                                     None if bias is None else bias.to("neuron"), *args)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got.cpu(), expected)

@@ -63,7 +63,12 @@ def expand_param(v, n):
 
 @lowering("convolution.default", promote="common", promote_args=("input", "weight", "bias"))
 def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    return _conv(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+    out = _conv(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+    if input.shape[1] == 0:
+        # ATen's "empty" convolution backend: an input without channels gives a result without
+        # channels (whatever the weight's), as PyTorch's meta kernel says too.
+        out = out[:, :0]
+    return out
 
 
 @lowering("convolution_backward.default")
