@@ -88,8 +88,10 @@ def neuron_fallback(op, *args, **kwargs):
 
 def _neuron_fallback(op, *args, **kwargs):
     name = op.name()
+    if name in _KEEP_OUT_SHAPE and op in decomposition_table and op not in _active():
+        return _keep_out_shape(op, args, kwargs)
     if name not in _SKIP_DECOMPOSITION:
-        decomp = None if name in _KEEP_OUT_SHAPE else decomposition_table.get(op)
+        decomp = decomposition_table.get(op)
         active = _active()
         if decomp is not None and op not in active:
             metrics.decompositions[name.split("::", 1)[1]] += 1
@@ -129,10 +131,27 @@ def _out_via_functional(op, functional, args, kwargs):
         active.discard(functional)
     results = result if isinstance(result, tuple) else (result,)
     for out, value in zip(outs, results):
-        if op.name() in _KEEP_OUT_SHAPE and out.numel() == value.numel():
-            value = value.reshape(out.shape)
         write_out(out, value, op.name())
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _keep_out_shape(op, args, kwargs):
+    """The op's decomposition into a fresh empty ``out`` (which it may resize freely), then written
+    into the caller's in its own shape when the element counts match (ATen's rule for these ops)."""
+    (name,) = out_names(op)
+    kwargs = dict(kwargs)
+    out = kwargs.pop(name)
+    metrics.decompositions[op.name().split("::", 1)[1]] += 1
+    active = _active()
+    active.add(op)
+    try:
+        value = decomposition_table[op](*args, **kwargs, **{name: out.new_empty(0)})
+    finally:
+        active.discard(op)
+    if out.numel() == value.numel():
+        value = value.reshape(out.shape)
+    write_out(out, value, op.name())
+    return out
 
 
 def cpu_fallback(op, args, kwargs):
