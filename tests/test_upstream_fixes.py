@@ -463,3 +463,12 @@ def test_convolution_without_input_channels_like_cpu(shape, bias):
                                      None if bias is None else bias.to("neuron"), *args)
     assert got.shape == expected.shape
     torch.testing.assert_close(got.cpu(), expected)
+
+
+# TestLinalg.test_cholesky_inverse_errors_and_warnings: PyTorch's meta kernel raises AssertionError
+# for a check ATen's kernel makes with TORCH_CHECK (a RuntimeError on CPU).
+def test_meta_kernel_assertions_are_runtime_errors_like_cpu():
+    with pytest.raises(RuntimeError, match="at least 2 dimensions"):
+        torch.cholesky_inverse(torch.randn(3))
+    with pytest.raises(RuntimeError, match="at least 2 dimensions"):
+        torch.cholesky_inverse(torch.randn(3, device="neuron"))

@@ -320,8 +320,9 @@ class Kernel(OpSignature):
                 return self.overload(*pos, **kw)
         except NotImplementedError:
             return self._shape_from_lowering(values)
-        except (RuntimeError, IndexError, ValueError, TypeError) as err:
-            # PyTorch's own shape/dtype check failed: keep its message, add the op and inputs.
+        except (RuntimeError, IndexError, ValueError, TypeError, AssertionError) as err:
+            # PyTorch's own shape/dtype check failed: keep its message, add the op and inputs
+            # (a meta kernel's AssertionError is a TORCH_CHECK in ATen's kernel: a RuntimeError).
             cls = NotImplementedError if isinstance(err, NotImplementedError) else RuntimeError
             raise cls(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
 
