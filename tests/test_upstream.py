@@ -62,6 +62,19 @@ def test_the_project_expectations_file_is_valid():
             assert entry["reason"].strip() and not entry["reason"].startswith("TODO"), (file, pattern)
 
 
+def test_a_later_collection_supersedes_a_collection_error():
+    exp = upstream.Expectations(None)
+    recs = {"<collection>": {"id": "<collection>", "status": "error", "message": "ImportError"},
+            "T.test_a": {"id": "T.test_a", "status": "passed", "message": ""}}
+    per_file, details, _, _ = upstream.summarize({"f.py": recs}, exp)
+    assert per_file["f.py"]["collection-error"] == 1 and details["failed"]
+    recs["<collection>"] = {"id": "<collection>", "status": "collected"}
+    per_file, details, _, _ = upstream.summarize({"f.py": recs}, exp)
+    assert per_file["f.py"]["collection-error"] == 0 and not details["failed"]
+    assert upstream.complete_files({"f.py": recs}, {"f.py": 1}) == {"f.py"}
+    assert upstream.complete_files({"f.py": recs}, {"f.py": 2}) == set()
+
+
 def test_compats_let_older_files_load_under_the_pinned_torch():
     """Names and idioms of the obtained files' revisions that torch 2.13 changed."""
     import torch

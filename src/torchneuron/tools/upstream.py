@@ -344,6 +344,9 @@ def _run_worker(args) -> int:
 
         tests = list(_tests(module, args.device, classes))
         Path(str(out) + ".total").write_text(str(len(tests)))
+        last = [r.get("status") for r in _records(out) if r.get("id") == "<collection>"][-1:]
+        if last == ["error"]:          # an earlier worker failed to collect; this one did
+            record("<collection>", "collected")
         if args.select:
             tests = [t for t in tests if any(fnmatch.fnmatchcase(t[2], p) for p in args.select.split(","))]
         by_id = {t[2]: t for t in tests}
@@ -516,7 +519,8 @@ def rerun_ids(recs: dict, patterns: str) -> list[str]:
 
 def complete_files(results: dict, totals: dict) -> set:
     """Files whose every collected test has a result."""
-    return {f for f, recs in results.items() if totals.get(f) and len(recs) >= totals[f]}
+    return {f for f, recs in results.items()
+            if totals.get(f) and len(recs) - ("<collection>" in recs) >= totals[f]}
 
 
 def collected(results_dir: Path, device: str, file: str) -> int | None:
@@ -557,6 +561,8 @@ def summarize(results: dict, expectations: Expectations, complete=None):
         c = Counter()
         for tid, rec in sorted(recs.items()):
             if tid == "<collection>":
+                if rec["status"] == "collected":     # a later worker collected the file
+                    continue
                 c["collection-error"] += 1
                 details["failed"].append((file, tid, rec["status"], rec.get("message", "")))
                 continue
