@@ -465,6 +465,23 @@ def test_convolution_without_input_channels_like_cpu(shape, bias):
     torch.testing.assert_close(got.cpu(), expected)
 
 
+@pytest.mark.parametrize("shape", [(2, 0, 7, 8, 9), (0, 0, 7, 8)])
+def test_convolution_backward_without_input_channels_like_cpu(shape):
+    k = len(shape) - 2
+    grads = []
+    for device in ("cpu", "neuron"):
+        x = torch.randn(shape, device=device, requires_grad=True)
+        w = torch.ones((12, 0) + (3,) * k, device=device, requires_grad=True)
+        b = torch.ones(12, device=device, requires_grad=True)
+        out = torch.ops.aten.convolution(x, w, b, [1] * k, [0] * k, [1] * k, False, [0] * k, 3)
+        out.sum().backward()
+        grads.append([t.grad for t in (x, w, b)])
+    for expected, got in zip(*grads):
+        assert (expected is None) == (got is None)
+        if expected is not None:
+            torch.testing.assert_close(got.cpu(), expected)
+
+
 # TestLinalg.test_cholesky_inverse_errors_and_warnings: PyTorch's meta kernel raises AssertionError
 # for a check ATen's kernel makes with TORCH_CHECK (a RuntimeError on CPU).
 def test_meta_kernel_assertions_are_runtime_errors_like_cpu():
