@@ -489,3 +489,26 @@ def test_meta_kernel_assertions_are_runtime_errors_like_cpu():
         torch.cholesky_inverse(torch.randn(3))
     with pytest.raises(RuntimeError, match="at least 2 dimensions"):
         torch.cholesky_inverse(torch.randn(3, device="neuron"))
+
+
+# TestMathBits.test_conj_view_* / test_neg_conj_view_* of in-place ops (triu_, silu_, scatter_add_):
+# PyTorch runs an in-place op on a conj/neg view on a resolved copy and writes it back with copy_,
+# which stored the values without conjugating/negating them (the view read back conj(result)).
+@pytest.mark.parametrize("view", ["conj", "neg", "neg-conj"])
+@pytest.mark.parametrize("op", ["triu_", "silu_", "add_", "copy_", "copy_-from-cpu"])
+def test_inplace_ops_on_math_bit_views_like_cpu(view, op):
+    def make(t):
+        if view == "conj":
+            return t.conj()
+        return torch._neg_view(t.conj() if view == "neg-conj" else t)
+
+    ops = {"triu_": lambda t: t.triu_(), "silu_": lambda t: torch.nn.functional.silu(t, inplace=True),
+           "add_": lambda t: t.add_(1 + 2j),
+           "copy_": lambda t: t.copy_(torch.full((4, 4), 1 + 2j, device=t.device)),
+           "copy_-from-cpu": lambda t: t.copy_(torch.full((4, 4), 1 + 2j))}
+    x = torch.randn(4, 4, dtype=torch.complex64)
+    cpu, neuron = make(x.clone()), make(x.to("neuron"))
+    ops[op](cpu)
+    ops[op](neuron)
+    assert (neuron.is_conj(), neuron.is_neg()) == (cpu.is_conj(), cpu.is_neg())
+    torch.testing.assert_close(neuron.cpu().resolve_conj().resolve_neg(), cpu.resolve_conj().resolve_neg())

@@ -111,6 +111,7 @@ def _kernel_table() -> dict:
     for name, read in _MATH_BIT_FALLTHROUGH.items():
         if name in table:
             table[name] = _resolving_math_bits(table[name], read)
+    table["copy_.default"] = _writing_math_bits(table["copy_.default"])
     return table
 
 
@@ -150,6 +151,26 @@ def _resolving_math_bits(kernel, read):
                 break
         return kernel(*args, **kwargs)
     return resolved
+
+
+def _writing_math_bits(copy_kernel):
+    """``copy_`` into a tensor with a lazy conj/neg bit stores conj(src)/-src, so that the tensor
+    reads back src: PyTorch's math-bit fallbacks run an in-place op on such a tensor (``x.conj()
+    .triu_()``) on a resolved copy and write the result back with this ``copy_``."""
+    def copy_(self, src, non_blocking=False):
+        if not (self.is_conj() or self.is_neg()):
+            return copy_kernel(self, src, non_blocking)
+        conj, neg = self.is_conj(), self.is_neg()
+        plain = self.conj() if conj else self          # the same storage, bits cleared
+        plain = plain._neg_view() if neg else plain
+        src = _resolve_bits(src.to(self.device, self.dtype)) if isinstance(src, torch.Tensor) else src
+        if conj:
+            src = _kernels["_conj_physical.default"](src)
+        if neg:
+            src = _kernels["neg.default"](src)
+        copy_kernel(plain, src, non_blocking)
+        return self
+    return copy_
 
 
 def _has_bits(v):
