@@ -111,7 +111,7 @@ def _kernel_table() -> dict:
     for name, read in _MATH_BIT_FALLTHROUGH.items():
         if name in table:
             table[name] = _resolving_math_bits(table[name], read)
-    table["copy_.default"] = _writing_math_bits(table["copy_.default"])
+    table["copy_.default"] = _copy_with_math_bits(table["copy_.default"])
     return table
 
 
@@ -119,7 +119,7 @@ def _kernel_table() -> dict:
 # on an input (CPU and CUDA fold it into the BLAS call); neuron reads raw storages, so it
 # materialises such inputs first. Checking the bits costs ~1 us per tensor, so only these pay it.
 _MATH_BIT_FALLTHROUGH = {   # op -> positions of the tensors it reads
-    "copy_.default": (1,), "_copy_from.default": (0,), "clone.default": (0,), "mm.default": (0, 1),
+    "_copy_from.default": (0,), "clone.default": (0,), "mm.default": (0, 1),
     "bmm.default": (0, 1), "dot.default": (0, 1), "vdot.default": (0, 1), "addmm.default": (0, 1, 2),
     "addmm_.default": (0, 1, 2), "baddbmm.default": (0, 1, 2), "baddbmm_.default": (0, 1, 2),
     "linalg_solve_triangular.default": (0, 1),
@@ -153,17 +153,20 @@ def _resolving_math_bits(kernel, read):
     return resolved
 
 
-def _writing_math_bits(copy_kernel):
-    """``copy_`` into a tensor with a lazy conj/neg bit stores conj(src)/-src, so that the tensor
-    reads back src: PyTorch's math-bit fallbacks run an in-place op on such a tensor (``x.conj()
-    .triu_()``) on a resolved copy and write the result back with this ``copy_``."""
+def _copy_with_math_bits(copy_kernel):
+    """``copy_`` reads a source's lazy conj/neg bits (as the other ops of _MATH_BIT_FALLTHROUGH),
+    and into a destination with such a bit stores conj(src)/-src, so that it reads back src:
+    PyTorch's math-bit fallbacks run an in-place op on such a tensor (``x.conj().triu_()``) on a
+    resolved copy and write the result back with this ``copy_``."""
     def copy_(self, src, non_blocking=False):
         if not (self.is_conj() or self.is_neg()):
+            if src.is_conj() or src.is_neg():
+                src = _resolve_bits(src)
             return copy_kernel(self, src, non_blocking)
         conj, neg = self.is_conj(), self.is_neg()
         plain = self.conj() if conj else self          # the same storage, bits cleared
         plain = plain._neg_view() if neg else plain
-        src = _resolve_bits(src.to(self.device, self.dtype)) if isinstance(src, torch.Tensor) else src
+        src = _resolve_bits(src.to(self.device, self.dtype))
         if conj:
             src = _kernels["_conj_physical.default"](src)
         if neg:
