@@ -323,7 +323,7 @@ class Kernel(OpSignature):
         except (RuntimeError, IndexError, ValueError, TypeError, AssertionError) as err:
             # PyTorch's own shape/dtype check failed: keep its message, add the op and inputs
             # (a meta kernel's AssertionError is a TORCH_CHECK in ATen's kernel: a RuntimeError).
-            cls = NotImplementedError if isinstance(err, NotImplementedError) else RuntimeError
+            cls = RuntimeError if isinstance(err, AssertionError) else type(err)
             raise cls(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
 
     def _shape_from_lowering(self, values):

@@ -77,14 +77,28 @@ def has_empty_tensor(sig, values) -> bool:
 
 
 _table = None
+# CPU gaps an accelerator fills: its half dtypes (erfcx of bfloat16), and kernels whose CUDA
+# versions take dtypes CPU's refuse where model code relies on it (transformers' MoE layers call
+# histc on int32 on accelerators).
+_HALF = {"f16", "bf16"}
+_ACCELERATOR_KERNELS = {"histc.default"}
 
 
 def _refusals():
     global _table
     if _table is None:
-        from .cpu_dtype_refusals import REFUSALS
-        _table = REFUSALS
+        from .cpu_dtype_refusals import REFUSALS  # a large table: loaded at the first plan
+        _table = {name: {sig: hit for sig, hit in refused.items() if not _HALF & set(_flat(sig))}
+                  for name, refused in REFUSALS.items() if name not in _ACCELERATOR_KERNELS}
     return _table
+
+
+def _flat(signature):
+    for c in signature:
+        if isinstance(c, tuple):
+            yield from _flat(c)
+        else:
+            yield c
 
 
 def check(sig, values, describe) -> None:

@@ -66,7 +66,7 @@ class Recorder:
         self._sigs = {}
 
     def signature(self, func):
-        from torchneuron.ops.signature import OpSignature
+        from torchneuron.ops.signature import OpSignature  # the tool imports torch lazily (--help)
         sig = self._sigs.get(func)
         if sig is None:
             sig = self._sigs[func] = OpSignature(func, None)
@@ -76,6 +76,7 @@ class Recorder:
         import torch
         from torch.utils._python_dispatch import TorchDispatchMode
 
+        # The tool imports torch lazily (--help, TORCH_DEVICE_BACKEND_AUTOLOAD set first).
         from torchneuron.ops.cpu_dtypes import dtype_signature, has_empty_tensor
         from torchneuron.ops.signature import registry_name
         recorder = self

@@ -393,7 +393,7 @@ def _enable_jax_cache(path: str) -> None:
     compiling dominates a test's time. torch.compile's graphs use the same directory."""
     import jax
 
-    import torchneuron
+    import torchneuron  # only the neuron worker loads the backend (the CPU run stays plain PyTorch)
     torchneuron.config.cache_dir = path
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
