@@ -150,18 +150,72 @@ def output_layout(dtype: torch.dtype, sizes, strides) -> OutputLayout:
     return found
 
 
+_INT64_MAX = (1 << 63) - 1
+
+
+def layout_nbytes(sizes, strides, itemsize: int) -> int:
+    """Bytes a storage needs for this layout, with PyTorch's checks and messages
+    (``computeStorageNbytes``): a size beyond int64, or a negative stride reaching before the
+    storage's start, is a RuntimeError here instead of an abort inside DLPack's import."""
+    extent, empty, negative = 1, False, False
+    for s, st in zip(sizes, strides):
+        if st > _INT64_MAX:
+            raise RuntimeError("Stride calculation overflowed")
+        if s > 1:
+            if st < 0:   # c10 computes in uint64: a negative stride wraps around and overflows
+                negative = True
+            else:
+                extent += (s - 1) * st
+        elif s < 0:
+            raise RuntimeError(f"Trying to create tensor with negative dimension {s}: {list(sizes)}")
+        elif s == 0:
+            empty = True
+    if empty:
+        return 0
+    nbytes = extent * itemsize
+    if negative or nbytes > _INT64_MAX:
+        raise RuntimeError(f"Storage size calculation overflowed with sizes={list(sizes)} and "
+                           f"strides={list(strides)}")
+    return nbytes
+
+
+_capacity: dict = {}
+
+
+def device_capacity(device_index: int) -> int:
+    """Total memory of a device (cached): no single storage can be larger."""
+    cap = _capacity.get(device_index)
+    if cap is None:
+        from .device import get_device_properties
+        cap = _capacity[device_index] = get_device_properties(device_index).total_memory
+    return cap
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _span(nbytes: int) -> int:
+    """The handle range a storage of ``nbytes`` takes: at least one byte more, 64-byte aligned."""
+    return (nbytes + 64) & ~63
+
+
 class _Allocator:
     # Handles live far above any user-space address so they never collide with CPU pointers. Each
     # storage's range is at least one byte longer than the storage, so a view's data_ptr() (at most
     # one past its storage's last byte) never equals another storage's handle: a data_ptr() found
-    # in ``records`` is the start of the tensor's own storage (storage offset 0).
+    # in ``records`` is the start of the tensor's own storage (storage offset 0). All handles stay
+    # below 2**63 (PyTorch keeps pointers signed in places).
     _BASE = 1 << 60
+    _LIMIT = 1 << 63
 
     def __init__(self):
         self.records: dict[int, StorageRecord] = {}
         self._watches: dict[int, _StorageWatch] = {}   # storage address -> its watch
         self._next = self._BASE
-        self._lock = threading.Lock()
+        self._end = self._LIMIT   # the next live handle above _next (the space's end at first)
+        # Re-entrant: a storage's watch may fire (and take the lock) in the thread that holds it.
+        self._lock = threading.RLock()
         self.allocated = {}   # device index -> bytes
         self.peak = {}
         self.num_allocs = 0
@@ -170,10 +224,11 @@ class _Allocator:
     def _on_free(self, watch: _StorageWatch) -> None:
         """A storage is gone: drop its buffer and its bytes from the statistics."""
         try:
-            del self._watches[watch.addr]
-            record = self.records.pop(watch.addr)
-            self.allocated[record.device_index] -= record.nbytes
-            self.num_frees += 1
+            with self._lock:   # frees race with allocations in other threads
+                del self._watches[watch.addr]
+                record = self.records.pop(watch.addr)
+                self.allocated[record.device_index] -= record.nbytes
+                self.num_frees += 1
             record.buf = None
         except Exception:  # interpreter shutdown: the tables may already be gone
             pass
@@ -181,9 +236,12 @@ class _Allocator:
     def _register(self, nbytes: int, dtype: torch.dtype, device_index: int, buf) -> int:
         """A fresh handle for a storage of ``nbytes``, counted in the statistics."""
         record = StorageRecord(nbytes, dtype, device_index, buf)
+        span = (nbytes + 64) & ~63   # _span, inline: the per-op hot path
         with self._lock:
             addr = self._next
-            self._next += (nbytes + 64) & ~63
+            if addr + span > self._end:
+                addr, self._end = self._find_gap(span)
+            self._next = addr + span
             self.num_allocs += 1
             used = self.allocated.get(device_index, 0) + nbytes
             self.allocated[device_index] = used
@@ -211,16 +269,40 @@ class _Allocator:
                        out.dims_ptr, out.dims_ptr + 8 * out.nd, 0, 0, 0)
         return self._watch(_from_dlpack(_capsule_new(base, b"dltensor", None)), addr)
 
+    def _find_gap(self, span: int):
+        """A free handle range of ``span`` bytes and the next live handle above it (the caller holds
+        the lock). Handles are handed out in increasing order up to the next live storage (the end
+        of the space at first); once the space is used up, the gaps freed storages left are reused."""
+        live = sorted((a, _span(r.nbytes)) for a, r in list(self.records.items()))
+        for addr in (self._next, self._BASE):
+            for start, used in live:
+                if start + used <= addr:
+                    continue
+                if start - addr >= span:
+                    return addr, start
+                addr = max(addr, start + used)
+            if self._LIMIT - addr >= span:
+                return addr, self._LIMIT
+        raise RuntimeError(
+            f"torchneuron: no free storage handle range for {span} bytes: the live neuron storages "
+            "cover the handle space. Free tensors you no longer need.")
+
     def new_tensor(self, sizes, strides, dtype: torch.dtype, device_index: int, buf=None,
                    storage_nbytes: int | None = None) -> torch.Tensor:
         """A neuron tensor with the given layout on a fresh storage holding ``buf``."""
-        extent = 0 if any(s == 0 for s in sizes) else 1 + sum((s - 1) * st for s, st in zip(sizes, strides))
+        extent_bytes = layout_nbytes(sizes, strides, dtype.itemsize)
         if storage_nbytes is None:
-            storage_nbytes = extent * dtype.itemsize
+            storage_nbytes = extent_bytes
+        if storage_nbytes > device_capacity(device_index):
+            raise torch.OutOfMemoryError(
+                f"torchneuron: out of memory: tried to allocate {_gib(storage_nbytes)} "
+                f"({storage_nbytes} bytes) on neuron:{device_index}, whose total capacity is "
+                f"{_gib(device_capacity(device_index))}; {_gib(self.allocated.get(device_index, 0))} "
+                "are allocated by live tensors.")
         code, bits = _DL_CODES[dtype]
         # DLPack sizes the storage from the layout; a storage larger than the layout needs is
         # made flat and then viewed with the requested layout.
-        flat = storage_nbytes != extent * dtype.itemsize
+        flat = storage_nbytes != extent_bytes
         dl_sizes = (storage_nbytes // dtype.itemsize,) if flat else tuple(sizes)
         dl_strides = (1,) if flat else tuple(strides)
         nd = len(dl_sizes)
