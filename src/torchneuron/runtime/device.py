@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import config
-from . import memory, pjrt, rng
+from . import fork, memory, pjrt, rng
 
 _state = threading.local()
 
@@ -30,15 +31,18 @@ def is_available() -> bool:
 
 
 def is_initialized() -> bool:
-    return True
+    return not fork.in_bad_fork()
 
 
 def _lazy_init() -> None:
+    if fork.in_bad_fork():
+        raise fork.fork_error("initializing the device")
     pjrt.devices()
 
 
 def _is_in_bad_fork() -> bool:
-    return False
+    # torch.manual_seed skips the device's generators in such a child (DataLoader workers).
+    return fork.in_bad_fork()
 
 
 def device_count() -> int:
@@ -102,6 +106,9 @@ def synchronize(device=None) -> None:
         buf = rec.buf
         if buf is not None:
             buf.block_until_ready()
+
+
+fork.forbid(sys.modules[__name__], "synchronize", "synchronize")
 
 
 def get_device_name(device=None) -> str:

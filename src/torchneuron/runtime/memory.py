@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import sys
 import threading
 import weakref
 
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import pjrt
+from . import fork, pjrt
 from .dtypes import jax_dtype
 
 _KDL_EXT_DEV = 12
@@ -325,6 +326,8 @@ _AS_STRIDED = torch.ops.aten.as_strided.default.redispatch
 
 
 allocator = _Allocator()
+fork.forbid(allocator, "new_tensor", "allocating a neuron tensor")
+fork.forbid(allocator, "new_output", "allocating a neuron tensor")
 
 
 def storage_address(t: torch.Tensor) -> int:
@@ -427,3 +430,6 @@ def contiguous_strides(sizes) -> tuple:
 
 def zeros_like_buffer(numel: int, dtype: torch.dtype):
     return jnp.zeros((numel,), dtype=jax_dtype(dtype))
+
+
+fork.forbid(sys.modules[__name__], "jax_put", "copying to a neuron device")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 
 import jax
@@ -10,6 +11,7 @@ import numpy as np
 from jax._src import xla_bridge
 
 from ..config import config, observe
+from . import fork
 
 # int64 stays int64 and float64 can be kept when asked: JAX needs x64 mode for both.
 jax.config.update("jax_enable_x64", True)
@@ -108,3 +110,6 @@ def put(host: np.ndarray, device_index: int, *, weak: bool = False, committed: b
     if weak:
         return jax.numpy.asarray(host.item())
     return jax.device_put(host, device(device_index) if committed else None, may_alias=True)
+
+
+fork.forbid(sys.modules[__name__], "put", "copying to a neuron device")
