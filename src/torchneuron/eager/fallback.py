@@ -18,7 +18,7 @@ from torch._decomp import decomposition_table
 from torch.utils._pytree import tree_map
 
 from ..config import config
-from ..metrics import metrics
+from ..metrics import metrics, op_key
 from ..ops.signature import OpSignature, functional_of, out_names
 from ..runtime import memory
 from ..runtime.device import current_device
@@ -88,7 +88,7 @@ def _neuron_fallback(op, *args, **kwargs):
         decomp = decomposition_table.get(op)
         active = _active()
         if decomp is not None and op not in active:
-            metrics.decompositions[name.split("::", 1)[1]] += 1
+            metrics.decompositions[op_key(name)] += 1
             active.add(op)
             try:
                 return decomp(*args, **kwargs)
@@ -116,7 +116,7 @@ def _out_via_functional(op, functional, args, kwargs):
     # (decomposed into lowered ops) and write the result into the caller's out tensors.
     kwargs = dict(kwargs)
     outs = [kwargs.pop(n) for n in out_names(op)]
-    metrics.decompositions[functional.name().split("::", 1)[1]] += 1
+    metrics.decompositions[op_key(functional.name())] += 1
     active = _active()
     active.add(functional)
     try:
@@ -131,7 +131,7 @@ def _out_via_functional(op, functional, args, kwargs):
 
 def cpu_fallback(op, args, kwargs):
     name = op.name()
-    short = name.split("::", 1)[1]
+    short = op_key(name)
     if config.fallback == "error":
         raise FallbackError(
             f"torchneuron: {name} has no neuron lowering and no decomposition, and "
