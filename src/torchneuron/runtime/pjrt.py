@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax._src import xla_bridge
 
-from ..config import config, observe
+from ..config import config, guard, observe
 from . import fork
 
 # int64 stays int64 and float64 can be kept when asked: JAX needs x64 mode for both.
@@ -49,9 +49,13 @@ _PLUGINS = {
 }
 
 
+_started_on = None   # the platform the runtime runs on, once it started
+
+
 @functools.cache
 def devices() -> tuple:
     """PJRT devices of the configured platform, in index order."""
+    global _started_on
     platform = config.platform
     try:
         found = jax.devices(platform)
@@ -61,7 +65,20 @@ def devices() -> tuple:
             f"torchneuron: TORCHNEURON_PLATFORM={platform!r} needs {plugin}, which JAX could not "
             f"load ({err}). Install it, or set TORCHNEURON_PLATFORM=cpu."
         ) from err
+    _started_on = platform
     return tuple(found)
+
+
+def _refuse_platform_change(old: str, new: str) -> None:
+    # Tensors, executables and caches of this process live on the first platform's devices.
+    if _started_on is not None:
+        raise RuntimeError(
+            f"torchneuron: config.platform cannot change to {new!r}: the neuron runtime of this process "
+            f"already runs on {_started_on!r} (its tensors and compiled executables live there). Set "
+            f"TORCHNEURON_PLATFORM={new} before the first neuron operation, e.g. in a new process.")
+
+
+guard("platform", _refuse_platform_change)
 
 
 def device(index: int):
