@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from . import checks
+from .checks import index_in_range, out_of_bounds
 from .numerics import compute_dtype, highest, lowest
 from .registry import lowering
+
+_OUT_OF_RANGE = "index out of range in self"
 
 
 def _index_tuple(indices):
@@ -22,14 +26,25 @@ def _add_at(at, values):
     return at.max(values) if at.array.dtype == jnp.bool_ else at.add(values)
 
 
+def _check_indices(self, indices):
+    # CPU's message numbers the index tensors, not the dimensions they index.
+    k = 0
+    for d, i in enumerate(indices):
+        if i is not None:
+            index_in_range(i, self.shape[d], out_of_bounds(k, self.shape[d]))
+            k += 1
+
+
 @lowering("index.Tensor", "_unsafe_index.Tensor")
 def index(self, indices):
     # Bool masks were turned into integer indices by the kernel (see eager/dynamic.py).
+    _check_indices(self, indices)
     return self[_index_tuple(indices)]
 
 
 @lowering("index_put.default", "_unsafe_index_put.default", promote="result", promote_args=("self", "values"))
 def index_put(self, indices, values, accumulate=False):
+    _check_indices(self, indices)
     idx = _index_tuple(indices)
     return _add_at(self.at[idx], values) if accumulate else self.at[idx].set(values)
 
@@ -52,12 +67,20 @@ def gather(self, dim, index, *, sparse_grad=False):
     if index.size == 0:   # ATen checks nothing about an empty index (not even its rank)
         return jnp.zeros(index.shape, self.dtype)
     if self.ndim == 0:
+        _check_nonnegative(index, 1, 0)
         return self.reshape(index.shape)
     dim = dim % self.ndim
+    _check_nonnegative(index, self.shape[dim], dim)
     return jnp.take_along_axis(_gather_like(self, dim, index), _wrap(index, self.shape[dim]), axis=dim)
 
 
+def _check_nonnegative(index, size, dim, error=RuntimeError, message=None):
+    """gather/scatter/index_add: 0 <= index < size (no counting from the end)."""
+    index_in_range(index, size, message or out_of_bounds(dim, size), error, negative=False)
+
+
 def _scatter_index(index, dim, size):
+    _check_nonnegative(index, size, dim)
     idx = list(jnp.indices(index.shape, sparse=True))
     idx[dim] = _wrap(index, size)
     return tuple(idx)
@@ -72,6 +95,7 @@ def _src_like(src, index):
 @lowering("scatter.src", "scatter.value", promote="result", promote_args=("self", "src", "value"))
 def scatter(self, dim, index, src=None, value=None):
     if self.ndim == 0:
+        _check_nonnegative(index, 1, 0)
         return jnp.asarray(src if src is not None else value, self.dtype).reshape(())
     dim = dim % self.ndim
     vals = _src_like(src if src is not None else value, index)
@@ -94,6 +118,7 @@ def scatter_add(self, dim, index, src):
     if index.size == 0:   # nothing to add; ATen checks nothing about an empty index
         return self
     if self.ndim == 0:
+        _check_nonnegative(index, 1, 0)
         return self + src.reshape(())
     dim = dim % self.ndim
     return _add_at(self.at[_scatter_index(index, dim, self.shape[dim])], _src_like(src, index))
@@ -138,8 +163,10 @@ def scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
 def index_select(self, dim, index):
     if self.ndim == 0:
         # A 0-dim source gives a 0-dim result (its only element, selected by index 0).
+        index_in_range(index, 1, _OUT_OF_RANGE, negative=False)
         return self
     dim = dim % self.ndim
+    index_in_range(index, self.shape[dim], _OUT_OF_RANGE, negative=False)
     return jnp.take(self, _wrap(index.reshape(-1), self.shape[dim]), axis=dim)
 
 
@@ -153,22 +180,28 @@ def index_add(self, dim, index, source, *, alpha=1):
         return index_add(self.reshape(1), 0, index.reshape(-1), source.reshape(-1), alpha=alpha).reshape(())
     scaled = jnp.logical_and(source, alpha) if self.dtype == jnp.bool_ else source * alpha
     dim = dim % self.ndim
+    _check_nonnegative(index, self.shape[dim], dim)
     return _add_at(self.at[_dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))], scaled)
 
 
 @lowering("index_copy.default", promote="result", promote_args=("self", "source"))
 def index_copy(self, dim, index, source):
     if self.ndim == 0:
+        _check_nonnegative(index, 1, 0, IndexError, "index_copy_(): " + out_of_bounds(0, 1))
         return source.reshape(())
     dim = dim % self.ndim
+    _check_nonnegative(index, self.shape[dim], dim, IndexError,
+                       "index_copy_(): " + out_of_bounds(dim, self.shape[dim]))
     return self.at[_dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))].set(source)
 
 
 @lowering("index_fill.int_Scalar", "index_fill.int_Tensor", promote="result", promote_args=("self", "value"))
 def index_fill(self, dim, index, value):
     if self.ndim == 0:
+        index_in_range(index, 1, out_of_bounds(0, 1))
         return jnp.asarray(value, self.dtype).reshape(())
     dim = dim % self.ndim
+    index_in_range(index, self.shape[dim], out_of_bounds(dim, self.shape[dim]))
     return self.at[_dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))].set(value)
 
 
@@ -192,6 +225,7 @@ def masked_scatter(self, mask, source):
 
 @lowering("embedding.default")
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    index_in_range(indices, weight.shape[0], _OUT_OF_RANGE, negative=False)
     return jnp.take(weight, indices, axis=0)
 
 
@@ -209,15 +243,21 @@ def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, sca
     return jnp.zeros((num_weights, dim), acc).at[flat].add(grads.astype(acc)).astype(grad_output.dtype)
 
 
+def _take_message(n):
+    return f"out of range: tried to access index {{value}} on a tensor of {n} elements."
+
+
 @lowering("take.default")
 def take(self, index):
     flat = self.reshape(-1)
+    index_in_range(index, flat.shape[0], _take_message(flat.shape[0]))
     return flat[_wrap(index, flat.shape[0])]
 
 
 @lowering("put.default", promote="result", promote_args=("self", "source"))
 def put(self, index, source, accumulate=False):
     flat = self.reshape(-1)
+    index_in_range(index, flat.shape[0], _take_message(flat.shape[0]))
     idx = _wrap(index.reshape(-1), flat.shape[0])
     src = source.reshape(-1)
     out = _add_at(flat.at[idx], src) if accumulate else flat.at[idx].set(src)
@@ -246,6 +286,7 @@ def index_reduce(self, dim, index, source, reduce, *, include_self=True):
         self, source = self.reshape(1), source.reshape(1)
         return index_reduce(self, 0, index, source, reduce, include_self=include_self).reshape(())
     dim = dim % self.ndim
+    index_in_range(index, self.shape[dim], _OUT_OF_RANGE, negative=False)
     idx = _dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))
     is_float = jnp.issubdtype(self.dtype, jnp.floating)
     identity = {"prod": 1, "mean": 0,
@@ -281,6 +322,9 @@ def _bags(indices, offsets, num_bags):
 
 
 def _embedding_bag(weight, indices, offsets, mode, per_sample_weights, include_last_offset, padding_idx):
+    n = weight.shape[0]
+    checks.fail_if((indices < 0) | (indices >= n), indices, RuntimeError,
+                   f"Index {{position}} of input takes value {{value}} which is not in the valid range [0, {n})")
     num_bags = offsets.shape[0] - (1 if include_last_offset else 0)
     dim = weight.shape[1]
     bag = _bags(indices, offsets, num_bags)
