@@ -18,6 +18,7 @@ _CHOICES = {
     "float64": ("downcast", "error", "keep"),
     "eager_mode": ("plain", "adaptive"),
     "compile_fallback": ("error", "eager"),
+    "device_checks": ("deferred", "sync", "off"),
 }
 
 
@@ -68,6 +69,10 @@ class Config:
     adaptive_max_ops: int = 512
     # torch.compile: an op without a lowering fails the compile, or the graph runs eagerly.
     compile_fallback: str = "error"
+    # PyTorch's checks that depend on tensor values (index bounds, integer division by zero): read
+    # at the next synchronisation point ("deferred"), right after each checked op ("sync"), or not
+    # compiled at all ("off").
+    device_checks: str = "deferred"
     # Persistent compilation cache for torch.compile executables ("" disables it).
     cache_dir: str = field(default_factory=_default_cache_dir)
     # When set, each compiled graph's FX code and StableHLO text are written here.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import config
-from . import fork, memory, pjrt, rng
+from . import deferred, fork, memory, pjrt, rng
 
 _state = threading.local()
 
@@ -106,6 +106,7 @@ def synchronize(device=None) -> None:
         buf = rec.buf
         if buf is not None:
             buf.block_until_ready()
+    deferred.raise_pending()
 
 
 fork.forbid(sys.modules[__name__], "synchronize", "synchronize")

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..metrics import metrics
-from . import fork, layout, memory
+from . import deferred, fork, layout, memory
 from .dtypes import jax_dtype
 
 
@@ -74,6 +74,7 @@ def to_host(t: torch.Tensor) -> np.ndarray:
 def copy_to_host(t: torch.Tensor) -> np.ndarray:
     """``to_host`` without a profiler range (for callers that record their own)."""
     arr = np.asarray(device_array(t, host=True))
+    deferred.raise_pending()   # the program waits for the device here: report what it found
     metrics.d2h_copies += 1
     metrics.d2h_bytes += arr.nbytes
     return arr
@@ -95,6 +96,6 @@ def _upload(host: np.ndarray, device_index: int):
 
 
 # Every read and upload of device memory goes through these (see runtime/fork.py).
-for _name, _what in (("device_array", "reading a neuron tensor"), ("_to_host", "reading a neuron tensor"),
+for _name, _what in (("device_array", "reading a neuron tensor"), ("copy_to_host", "reading a neuron tensor"),
                      ("_upload", "copying to a neuron device")):
     fork.forbid(sys.modules[__name__], _name, _what)

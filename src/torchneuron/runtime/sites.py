@@ -89,6 +89,29 @@ def user_site(skip: int = 1) -> dict | None:
     return None
 
 
+def caller(skip: int = 1):
+    """(file, line, function) of the innermost user frame, or None: the cheap form of
+    :func:`user_site` for code that needs the place only if something goes wrong later."""
+    frame = _walk(sys._getframe(skip))
+    if frame is None:
+        return None
+    return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+
+
+def format_caller(place) -> str:
+    if place is None:
+        return "(no user frame)"
+    filename, line, function = place
+    try:
+        rel = os.path.relpath(filename)
+        if not rel.startswith(".."):
+            filename = rel
+    except ValueError:
+        pass
+    code = linecache.getline(place[0], line).strip()
+    return f"{filename}:{line} in {function}" + (f": {code}" if code else "")
+
+
 def format_site(site: dict | None) -> str:
     if not site:
         return "(no user frame)"
