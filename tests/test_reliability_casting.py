@@ -90,3 +90,12 @@ def test_out_tensor_on_another_device_is_refused_like_cuda(fn):
         "setitem-scalar"])
 def test_index_put_and_index_add_want_matching_dtypes_like_cpu(fn):
     _same_error_or_result(fn)
+
+
+@pytest.mark.parametrize("value", [0.5, 1.5, 2.7, 2])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_integer_addcmul_converts_its_scalar_first_like_cpu(dtype, value):
+    # ATen converts `value` to the tensors' integer type before computing: int(1.5) == 1.
+    t = torch.tensor([1, 2, 3], dtype=dtype)
+    n = t.to("neuron")
+    assert_same(torch.addcmul(n, n, n, value=value), torch.addcmul(t, t, t, value=value))

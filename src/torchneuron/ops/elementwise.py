@@ -210,6 +210,8 @@ def lerp(self, end, weight):
 
 @lowering("addcmul.default", promote="result", promote_args=("self", "tensor1", "tensor2"))
 def addcmul(self, tensor1, tensor2, *, value=1):
+    if not jnp.issubdtype(self.dtype, jnp.inexact):
+        value = jnp.asarray(value).astype(self.dtype)   # ATen converts the Scalar first: int(1.5) == 1
     # One rounding for half precision, like ATen's opmath kernel (not one per multiply/add).
     dt = compute_dtype(self.dtype)
     return (self.astype(dt) + value * tensor1.astype(dt) * tensor2.astype(dt)).astype(self.dtype)
