@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import sys
 import threading
 import time
@@ -130,16 +129,8 @@ class DeviceProperties:
 def get_device_properties(device=None) -> DeviceProperties:
     index = _index(device)
     dev = pjrt.device(index)
-    total = 0
-    try:
-        stats = dev.memory_stats() or {}
-        total = int(stats.get("bytes_limit", 0))
-    except Exception:
-        total = 0
-    if not total:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return DeviceProperties(get_device_name(index), dev.platform, dev.device_kind, index, total,
-                            pjrt.platform_version())
+    return DeviceProperties(get_device_name(index), dev.platform, dev.device_kind, index,
+                            pjrt.total_memory(index), pjrt.platform_version())
 
 
 # -- RNG ------------------------------------------------------------------------------------------

@@ -180,18 +180,6 @@ def layout_nbytes(sizes, strides, itemsize: int) -> int:
     return nbytes
 
 
-_capacity: dict = {}
-
-
-def device_capacity(device_index: int) -> int:
-    """Total memory of a device (cached): no single storage can be larger."""
-    cap = _capacity.get(device_index)
-    if cap is None:
-        from .device import get_device_properties
-        cap = _capacity[device_index] = get_device_properties(device_index).total_memory
-    return cap
-
-
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -294,11 +282,11 @@ class _Allocator:
         extent_bytes = layout_nbytes(sizes, strides, dtype.itemsize)
         if storage_nbytes is None:
             storage_nbytes = extent_bytes
-        if storage_nbytes > device_capacity(device_index):
+        if storage_nbytes > pjrt.total_memory(device_index):
             raise torch.OutOfMemoryError(
                 f"torchneuron: out of memory: tried to allocate {_gib(storage_nbytes)} "
                 f"({storage_nbytes} bytes) on neuron:{device_index}, whose total capacity is "
-                f"{_gib(device_capacity(device_index))}; {_gib(self.allocated.get(device_index, 0))} "
+                f"{_gib(pjrt.total_memory(device_index))}; {_gib(self.allocated.get(device_index, 0))} "
                 "are allocated by live tensors.")
         code, bits = _DL_CODES[dtype]
         # DLPack sizes the storage from the layout; a storage larger than the layout needs is

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import warnings
 
@@ -89,6 +90,17 @@ def device(index: int):
             f"neuron device(s) on PJRT platform {config.platform!r} (valid: 0..{len(devs) - 1})."
         )
     return devs[index]
+
+
+@functools.cache
+def total_memory(index: int) -> int:
+    """Bytes of memory of a device: what PJRT reports, else the host's (the CPU platform)."""
+    total = 0
+    try:
+        total = int((device(index).memory_stats() or {}).get("bytes_limit", 0))
+    except Exception:  # noqa: BLE001 - platforms without memory statistics
+        total = 0
+    return total or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def platform_version() -> str:
