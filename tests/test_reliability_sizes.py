@@ -120,3 +120,10 @@ def test_threads_allocating_and_freeing_keep_exact_counters():
     gc.collect()
     assert torch.neuron.memory_allocated() == before
     assert memory.allocator.num_frees - frees >= 4 * 150 * 2
+
+
+@pytest.mark.parametrize("size", [(2**62, 4), (2**31, 2**31, 4)])
+def test_resize_beyond_int64_elements_raises_like_cpu(size):
+    expected = _cpu_error(lambda d: torch.empty(2, device=d).resize_(*size))
+    with pytest.raises(RuntimeError, match=re.escape(expected)):
+        torch.empty(2, device="neuron").resize_(*size)

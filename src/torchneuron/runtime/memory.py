@@ -151,7 +151,7 @@ def output_layout(dtype: torch.dtype, sizes, strides) -> OutputLayout:
     return found
 
 
-_INT64_MAX = (1 << 63) - 1
+INT64_MAX = (1 << 63) - 1
 
 
 def layout_nbytes(sizes, strides, itemsize: int) -> int:
@@ -160,7 +160,7 @@ def layout_nbytes(sizes, strides, itemsize: int) -> int:
     storage's start, is a RuntimeError here instead of an abort inside DLPack's import."""
     extent, empty, negative = 1, False, False
     for s, st in zip(sizes, strides):
-        if st > _INT64_MAX:
+        if st > INT64_MAX:
             raise RuntimeError("Stride calculation overflowed")
         if s > 1:
             if st < 0:   # c10 computes in uint64: a negative stride wraps around and overflows
@@ -174,7 +174,7 @@ def layout_nbytes(sizes, strides, itemsize: int) -> int:
     if empty:
         return 0
     nbytes = extent * itemsize
-    if negative or nbytes > _INT64_MAX:
+    if negative or nbytes > INT64_MAX:
         raise RuntimeError(f"Storage size calculation overflowed with sizes={list(sizes)} and "
                            f"strides={list(strides)}")
     return nbytes
