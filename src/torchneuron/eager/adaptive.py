@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import sys
 import threading
 import time
 
@@ -29,7 +30,7 @@ import jax
 
 from ..config import config
 from ..metrics import metrics
-from ..runtime import memory
+from ..runtime import memory, sites
 from . import kernel
 
 _records = memory.allocator.records
@@ -50,6 +51,7 @@ class Region:
         self.external = []       # buffers read from storages that existed before the region
         self.external_sids = []
         self.results = set()     # storage ids whose buffer the region produces (outputs, writes)
+        self.sites = []          # per op: its call site, for ops that may have device checks
 
     def _sid(self, addr, buf):
         sid = self.sid_of.get(addr)
@@ -86,6 +88,9 @@ class Region:
                 _records[ctx.addrs[slot]].buf = PENDING
                 self.results.add(input_sids[slot])
             self.ops.append((exe, input_sids, tuple(out_sids), len(ctx.runtime)))
+            # Device checks are known once an executable was traced (None: not yet).
+            maybe_checked = exe.traced.checks is None or exe.traced.checks
+            self.sites.append(sites.place(sys._getframe(2)) if maybe_checked else None)
             self.runtime.extend(ctx.runtime)
             full = len(self.ops) >= config.adaptive_max_ops
         if full:
@@ -98,31 +103,34 @@ class Region:
         with self.lock:
             if not self.ops:
                 return
-            ops, runtime = self.ops, self.runtime
+            ops, runtime, op_sites = self.ops, self.runtime, self.sites
             external, external_sids, addr_of = self.external, self.external_sids, self.addr_of
             live = tuple(sorted(sid for sid in self.results if addr_of[sid] in _records))
             self.reset()
             # Executables stand for their cache keys (one per key, hashed by identity: cheaper than
             # re-hashing every op's key at each flush, and held alive here so ids are not reused).
             structure = (tuple(ops), tuple(external_sids), live)
-            fn = _regions.get(structure)
-            if fn is None:
-                fn = _build(ops, external_sids, live)
+            built = _regions.get(structure)
+            if built is None:
+                built = _build(ops, external_sids, live)
                 start = time.perf_counter()
-                results = fn(*external, *runtime)
+                results = built[0](*external, *runtime)
                 metrics.compile_seconds += time.perf_counter() - start
                 metrics.region_compiles += 1
                 metrics.executables_compiled += 1
                 # Custom kernels (torchneuron.kernel) are named with their namespace, ATen ops not.
                 metrics.custom_kernel_compiles.update({exe.op_name for exe, *_ in ops if "::" in exe.op_name})
-                _regions[structure] = fn
+                _regions[structure] = built
             else:
                 metrics.region_cache_hits += 1
-                results = fn(*external, *runtime)
+                results = built[0](*external, *runtime)
             for sid, buf in zip(live, results):
                 rec = _records.get(addr_of[sid])
                 if rec is not None:
                     rec.buf = buf
+            # Then the outcomes of the ops' device checks, in op order.
+            for n, outcome in zip(built[1], results[len(live):]):
+                ops[n][0].traced.report(outcome, op_sites[n])
             metrics.regions_flushed += 1
             metrics.region_ops += len(ops)
             metrics.flush_reasons[reason] += 1
@@ -134,12 +142,17 @@ region = Region()
 
 
 def _build(ops, external_sids, live):
+    """(the region's jitted function, indices of the ops whose device-check outcomes it returns
+    after the live buffers -- known once the function has been traced, at its first call)."""
     n_external = len(external_sids)
+    checked = []
 
     def run(*flat):
         current = dict(zip(external_sids, flat[:n_external]))
         position = n_external
-        for exe, input_sids, out_sids, n_runtime in ops:
+        outcomes = []
+        checked.clear()
+        for n, (exe, input_sids, out_sids, n_runtime) in enumerate(ops):
             bufs = [current[sid] for sid in input_sids]
             results = exe.traced(*bufs, *flat[position:position + n_runtime])
             position += n_runtime
@@ -151,9 +164,20 @@ def _build(ops, external_sids, live):
             for slot in exe.writes:
                 current[input_sids[slot]] = results[k]
                 k += 1
-        return tuple(current[sid] for sid in live)
+            if exe.traced.checks:
+                outcomes.append(results[k])
+                checked.append(n)
+        return tuple(current[sid] for sid in live) + tuple(outcomes)
 
-    return jax.jit(run)
+    return jax.jit(run), checked
+
+
+def device_checks_changed(mode: str) -> None:
+    """Executables compile their device checks in (or not): forget the eager and region caches
+    when ``config.device_checks`` changes (installed as its observer by ``torchneuron.register``)."""
+    flush("settings change")
+    kernel.clear_cache()
+    _regions.clear()
 
 
 # -- public switches ----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ the cache key and the executable.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 
@@ -28,6 +29,7 @@ from jax._src import config as jax_config
 
 from ..config import config, observe
 from ..metrics import metrics
+from ..ops import checks
 from ..ops.registry import NotImplementedForDtype
 from ..ops.signature import (
     OPT_SCALAR,
@@ -40,7 +42,7 @@ from ..ops.signature import (
     cast_and_broadcast,
     read_input,
 )
-from ..runtime import executable_store, layout, memory, pjrt, rng
+from ..runtime import deferred, executable_store, layout, memory, pjrt, rng, sites
 from ..runtime.device import current_device, device_mismatch_error
 from ..runtime.dtypes import device_dtype, jax_dtype, torch_dtype
 from ..runtime.values import offset_array, scalar_array
@@ -174,6 +176,8 @@ class Kernel(OpSignature):
             for slot in exe.writes:
                 _records[addrs[slot]].buf = results[k]
                 k += 1
+        if exe.traced.checks:   # value-dependent checks (index bounds...): the last result
+            exe.traced.report(results[k], sites.place(sys._getframe(2)))
         return self.returned(outs, values)
 
     def output_device(self, values) -> int:
@@ -245,6 +249,8 @@ class Kernel(OpSignature):
             # A loaded executable is never traced: whatever the hot path needs from tracing must
             # be stored in the entry's metadata (``store`` below) and restored here.
             exe.call = loaded[0]
+            exe.traced.checks = checks.from_portable(loaded[1].get("checks", ()), self.short_name)
+            exe.single = exe.single and not exe.traced.checks
             metrics.eager_cache_loads += 1
             results = exe.call(*bufs, *runtime)
             metrics.compile_seconds += time.perf_counter() - start
@@ -273,7 +279,9 @@ class Kernel(OpSignature):
             if name is not None:
                 # The executable jit just compiled (its lowering and compile are cached in memory).
                 executable_store.store("eager", name, lambda: jitted.lower(*bufs, *runtime).compile(),
-                                       {"op": self.short_name})
+                                       {"op": self.short_name, "checks": checks.portable(traced.checks)})
+        # The device checks' outcome is one more result: never the single-output shortcut.
+        exe.single = exe.single and not traced.checks
         metrics.compile_seconds += time.perf_counter() - start
         metrics.executables_compiled += 1
         metrics.eager_compiles[exe.reason] += 1
@@ -483,7 +491,7 @@ def _store_name(key):
     if not kernel.persistent or not _portable(statics):
         return None
     return executable_store.key("eager", kernel.name, kernel.functional is not None, specs, statics,
-                                storages, device_index, default_dtype, config.float64)
+                                storages, device_index, default_dtype, config.float64, config.device_checks)
 
 
 class _Traced:
@@ -506,6 +514,17 @@ class _Traced:
         self.nbufs = len(ctx.bufs)
         # Part of the cache key already: the key holds every input's strides.
         self.contiguous = kernel.input_contiguous(values)
+        # Device checks (ops/checks.py): compiled in unless turned off (changing the setting clears
+        # the cache); ``checks`` is known once traced: ((check, op), ...) of the extra last output.
+        self.mode = config.device_checks
+        self.checks = None
+
+    def report(self, outcome, site) -> None:
+        """Hand the outcome of this executable's device checks to the runtime (eager/adaptive)."""
+        if self.mode == "sync":
+            deferred.check_now(outcome, self.checks)
+        else:
+            deferred.defer(outcome, self.checks, site)
 
     def __call__(self, *flat):
         k = self.kernel
@@ -529,8 +548,11 @@ class _Traced:
         if k.lowering.random:
             seed, offset = runtime[-2], runtime[-1]
             key = jax.random.fold_in(jax.random.key(seed), offset)
-        mutated_vals, new_vals = k.call_lowering(values, self.promote_dtype, key, len(self.write_targets),
-                                                 len(self.out_specs), self.contiguous)
+        with checks.collecting() if self.mode != "off" else checks.suspended() as found:
+            mutated_vals, new_vals = k.call_lowering(values, self.promote_dtype, key, len(self.write_targets),
+                                                     len(self.out_specs), self.contiguous)
+        found = found or ()
+        self.checks = tuple((entry[-1], k.short_name) for entry in found)
         outputs = []
         for value, spec in zip(new_vals, self.out_specs):
             if spec is None:
@@ -546,7 +568,7 @@ class _Traced:
             value = cast_and_broadcast(value, dtype, sizes)
             new_bufs[slot] = layout.write(base, value, jax_dtype(dtype), sizes, strides, offsets[n])
         written = [new_bufs.get(slot, bufs[slot]) for slot in self.writes]
-        return tuple(outputs) + tuple(written)
+        return tuple(outputs) + tuple(written) + ((checks.pack(found),) if found else ())
 
 
 def _to_meta(v):

@@ -63,11 +63,11 @@ def collecting():
 
 @contextlib.contextmanager
 def suspended():
-    """No collection inside the block (shape inference traces lowerings a second time)."""
+    """No collection inside the block (checks turned off; shape inference): yields None."""
     previous = getattr(_tls, "sink", None)
     _tls.sink = None
     try:
-        yield
+        yield None
     finally:
         _tls.sink = previous
 
@@ -78,6 +78,19 @@ def pack(entries):
     for found, value, position, _ in entries:
         flat.extend((found.astype(jnp.int64), value, position))
     return jnp.stack(flat)
+
+
+_ERRORS = {e.__name__: e for e in (IndexError, RuntimeError, ValueError, DeviceZeroDivisionError)}
+
+
+def portable(found) -> list:
+    """An executable's ``((Check, op), ...)`` as plain values (persisted with it)."""
+    return [(check.error.__name__, check.message) for check, _ in found or ()]
+
+
+def from_portable(saved, op: str) -> tuple:
+    """The inverse of :func:`portable` for the op ``op``."""
+    return tuple((Check(_ERRORS[name], message), op) for name, message in saved)
 
 
 # -- the checks lowerings state -------------------------------------------------------------------

@@ -20,25 +20,27 @@ import numpy as np
 
 from . import sites
 
-# (outcome array, checks, op name, call site) of executed ops not read yet, oldest first.
+# (outcome array, ((check, op name), ...), call site) of executed work not read yet, oldest first.
 _pending: collections.deque = collections.deque()
 # Past this many unread outcomes the oldest half is read: memory stays bounded in a program that
 # never synchronises, and those ops have long finished.
 _LIMIT = 1024
 
 
-def defer(outcome, checks, op: str, site) -> None:
-    """Keep the outcome of a checked op until the next synchronisation point."""
-    _pending.append((outcome, checks, op, site))
+def defer(outcome, checks, site) -> None:
+    """Keep the outcome of checked work (``checks``: (check, op name) per entry of the outcome;
+    ``site``: ``sites.place`` of its caller) until the next synchronisation point."""
+    _pending.append((outcome, checks, site))
     if len(_pending) > _LIMIT:
         raise_pending(len(_pending) // 2)
 
 
-def check_now(outcome, checks, op: str) -> None:
+def check_now(outcome, checks) -> None:
     """``device_checks="sync"``: read the outcome at once and raise in the op's own call."""
     error = _first_error(np.asarray(outcome), checks)
     if error is not None:
-        raise error[0](f"{error[1]}\n[torchneuron] in aten::{op}")
+        kind, message, op = error
+        raise kind(f"{message}\n[torchneuron] in aten::{op}")
 
 
 def raise_pending(count: int | None = None) -> None:
@@ -50,12 +52,13 @@ def raise_pending(count: int | None = None) -> None:
     n = len(_pending) if count is None else min(count, len(_pending))
     entries = [_pending.popleft() for _ in range(n)]
     outcomes = jax.device_get([e[0] for e in entries])
-    for (_, checks, op, site), outcome in zip(entries, outcomes):
+    for (_, checks, site), outcome in zip(entries, outcomes):
         error = _first_error(np.asarray(outcome), checks)
         if error is not None:
             _pending.clear()
-            raise error[0](
-                f"{error[1]}\n[torchneuron] raised by aten::{op} called at {sites.format_caller(site)}. "
+            kind, message, op = error
+            raise kind(
+                f"{message}\n[torchneuron] raised by aten::{op} called at {sites.format_place(site)}. "
                 "The device checked it and it is reported at the next synchronisation point "
                 "(TORCHNEURON_DEVICE_CHECKS=sync reports it at the op itself; =off skips these checks).")
 
@@ -69,9 +72,9 @@ def clear() -> None:
 
 
 def _first_error(outcome, checks):
-    """(exception type, message) of the first failed check in an outcome array, or None."""
-    for k, check in enumerate(checks):
+    """(exception type, message, op) of the first failed check in an outcome array, or None."""
+    for k, (check, op) in enumerate(checks):
         failed, value, position = outcome[3 * k: 3 * k + 3]
         if failed:
-            return check.error, check.message.format(value=int(value), position=int(position))
+            return check.error, check.message.format(value=int(value), position=int(position)), op
     return None

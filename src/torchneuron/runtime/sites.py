@@ -89,27 +89,27 @@ def user_site(skip: int = 1) -> dict | None:
     return None
 
 
-def caller(skip: int = 1):
-    """(file, line, function) of the innermost user frame, or None: the cheap form of
-    :func:`user_site` for code that needs the place only if something goes wrong later."""
-    frame = _walk(sys._getframe(skip))
-    if frame is None:
-        return None
-    return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+def place(frame):
+    """(code object, line) of the innermost user frame at or above ``frame``, or None: the cheap
+    record of a call site for code that describes it only if something goes wrong later."""
+    frame = _walk(frame)
+    return None if frame is None else (frame.f_code, frame.f_lineno)
 
 
-def format_caller(place) -> str:
-    if place is None:
+def format_place(where) -> str:
+    """"file:line in function: code" of a :func:`place`."""
+    if where is None:
         return "(no user frame)"
-    filename, line, function = place
+    code, line = where
+    filename = code.co_filename
     try:
         rel = os.path.relpath(filename)
         if not rel.startswith(".."):
             filename = rel
     except ValueError:
         pass
-    code = linecache.getline(place[0], line).strip()
-    return f"{filename}:{line} in {function}" + (f": {code}" if code else "")
+    text = linecache.getline(code.co_filename, line).strip()
+    return f"{filename}:{line} in {code.co_name}" + (f": {text}" if text else "")
 
 
 def format_site(site: dict | None) -> str:
