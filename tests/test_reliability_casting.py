@@ -16,6 +16,11 @@ def _f(d):
     return torch.tensor([1.5, 2.5, 3.5], device=d)
 
 
+def _setitem(t, index, value):
+    t[index] = value
+    return t
+
+
 def _same_error_or_result(fn):
     """fn(device) on CPU and on neuron: the same error (type and first line), or the same values."""
     try:
@@ -82,10 +87,10 @@ def test_out_tensor_on_another_device_is_refused_like_cuda(fn):
 @pytest.mark.parametrize("fn", [
     lambda d: _f(d).index_put_((torch.tensor([0], device=d),), torch.tensor([5], device=d)),
     lambda d: _i(d).index_put_((torch.tensor([0], device=d),), torch.tensor([5.5], device=d)),
-    lambda d: _f(d).__setitem__(torch.tensor([0], device=d), torch.tensor([5], device=d)),
+    lambda d: _setitem(_f(d), torch.tensor([0], device=d), torch.tensor([5], device=d)),
     lambda d: _i(d).index_add_(0, torch.tensor([0], device=d), torch.tensor([1.5], device=d)),
     lambda d: _f(d).index_put_((torch.tensor([0], device=d),), torch.tensor(5, device=d)),   # 0-d source
-    lambda d: _f(d).__setitem__(torch.tensor([0], device=d), 5),                            # Python scalar
+    lambda d: _setitem(_f(d), torch.tensor([0], device=d), 5),                              # Python scalar
 ], ids=["index_put-int-into-float", "index_put-float-into-int", "setitem", "index_add", "index_put-0d",
         "setitem-scalar"])
 def test_index_put_and_index_add_want_matching_dtypes_like_cpu(fn):

@@ -210,7 +210,7 @@ class GraphProgram:
             if self.device_checks == "sync":
                 deferred.check_now(outcome, exe.checks)
             else:
-                deferred.defer(outcome, exe.checks, sites.place(sys._getframe(2)))
+                deferred.defer(outcome, exe.checks, sites.place(sys._getframe()))
         if host_vals or host_writes:
             fetched = jax.device_get(host_vals + host_writes)
             for a in fetched:

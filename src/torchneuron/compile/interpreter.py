@@ -201,6 +201,7 @@ class Interpreter:
         sig = step.signature
         values = sig.bind(node.args, node.kwargs, missing=None)
         metas = [meta_of(v) for v in values]
+        sig.check_dtypes(metas)
         arrays = [_lookup(v, env) for v in values]
         if sig.name == "aten::as_strided":
             arrays[0], runtime_offset = self._storage_of(values[0], arrays[0])

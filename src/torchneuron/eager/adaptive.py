@@ -90,7 +90,7 @@ class Region:
             self.ops.append((exe, input_sids, tuple(out_sids), len(ctx.runtime)))
             # Device checks are known once an executable was traced (None: not yet).
             maybe_checked = exe.traced.checks is None or exe.traced.checks
-            self.sites.append(sites.place(sys._getframe(2)) if maybe_checked else None)
+            self.sites.append(sites.place(sys._getframe()) if maybe_checked else None)
             self.runtime.extend(ctx.runtime)
             full = len(self.ops) >= config.adaptive_max_ops
         if full:

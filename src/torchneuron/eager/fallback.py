@@ -23,7 +23,7 @@ from ..ops.signature import OpSignature, functional_of, out_names
 from ..runtime import memory
 from ..runtime.device import current_device
 from .kernel import describe_args
-from .out_variants import write_out
+from .out_variants import check_out_devices, write_out
 
 _tls = threading.local()
 _warned: set[str] = set()
@@ -124,9 +124,24 @@ def _out_via_functional(op, functional, args, kwargs):
     finally:
         active.discard(functional)
     results = result if isinstance(result, tuple) else (result,)
+    check_out_devices(outs, results[0].device)
     for out, value in zip(outs, results):
         write_out(out, value, op.name())
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _signature(op) -> OpSignature:
+    sig = _signatures.get(op)
+    if sig is None:
+        sig = _signatures[op] = OpSignature(op, None)
+    return sig
+
+
+def _check_written_devices(op, args, kwargs, device) -> None:
+    """Tensors the op writes (out=, in-place) live on its device, as on CUDA: the CPU run would
+    otherwise write a CPU out= tensor directly and hide the transfer."""
+    sig = _signature(op)
+    check_out_devices([t for _, _, t in sig.mutated_tensors(sig.bind(args, kwargs, missing=None))], device)
 
 
 def cpu_fallback(op, args, kwargs):
@@ -149,6 +164,7 @@ def cpu_fallback(op, args, kwargs):
             stacklevel=_caller_stacklevel(),
         )
     device = _device_of(args, kwargs)
+    _check_written_devices(op, args, kwargs, device)
     originals = {}
 
     def to_cpu(v):
@@ -167,9 +183,7 @@ def cpu_fallback(op, args, kwargs):
     result = op(*cpu_args, **cpu_kwargs)
 
     # In-place and out= effects travel back into the caller's neuron tensors.
-    sig = _signatures.get(op)
-    if sig is None:
-        sig = _signatures[op] = OpSignature(op, None)
+    sig = _signature(op)
     for _, _, cpu_t in sig.mutated_tensors(sig.bind(cpu_args, cpu_kwargs, missing=None)):
         target = originals.get(id(cpu_t))
         if target is not None:

@@ -44,8 +44,9 @@ from ..ops.signature import (
 )
 from ..runtime import deferred, executable_store, layout, memory, pjrt, rng, sites
 from ..runtime.device import current_device, device_mismatch_error
-from ..runtime.dtypes import device_dtype, jax_dtype, torch_dtype
+from ..runtime.dtypes import device_dtype, dtype_name, jax_dtype, torch_dtype
 from ..runtime.values import offset_array, scalar_array
+from . import oracle
 
 _records = memory.allocator.records
 
@@ -177,7 +178,7 @@ class Kernel(OpSignature):
                 _records[addrs[slot]].buf = results[k]
                 k += 1
         if exe.traced.checks:   # value-dependent checks (index bounds...): the last result
-            exe.traced.report(results[k], sites.place(sys._getframe(2)))
+            exe.traced.report(results[k], sites.place(sys._getframe()))
         return self.returned(outs, values)
 
     def output_device(self, values) -> int:
@@ -201,6 +202,10 @@ class Kernel(OpSignature):
     def _plan(self, values, specs, ctx):
         """Shapes, dtypes and the traced body of this call's executable (not compiled yet)."""
         meta_out = self._run_meta(values)
+        try:
+            self.check_dtypes(values)
+        except RuntimeError as err:
+            raise RuntimeError(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
         new_meta = self.new_output_metas(meta_out)
         out_specs = []
         for m in new_meta:
@@ -214,8 +219,11 @@ class Kernel(OpSignature):
             out_specs.append((dtype, sizes, strides))
         # Buffers written by this op: each mutated argument's view, by its position among the
         # inputs (None for a tensor without elements: nothing to write).
+        mutated = self.mutated_tensors(values)
+        if mutated:
+            self._check_writes(values, [t for _, _, t in mutated], ctx)
         positions = self._input_positions(specs)
-        write_targets = [positions.get((i, pos)) for i, pos, _ in self.mutated_tensors(values)]
+        write_targets = [positions.get((i, pos)) for i, pos, _ in mutated]
         writes = tuple(dict.fromkeys(target[1][4] for target in write_targets if target is not None))
         promote_dtype = None
         if self.promote_idx is not None:
@@ -238,6 +246,39 @@ class Kernel(OpSignature):
                     found[(i, pos)] = (n, s)
                 n += 1
         return found
+
+    def _check_writes(self, values, mutated, ctx):
+        """PyTorch's rules for the tensors an op writes, which its meta kernel may not apply: they
+        live on the op's device (CUDA's rule), an in-place result must be castable to them
+        ("result type Float can't be cast to the desired output type Long"), and they may not
+        overlap themselves or another argument. Once per cache entry (all of it is in the key)."""
+        for t in mutated:
+            if t.device.type != "neuron" or (ctx.device_index is not None and t.device.index != ctx.device_index):
+                raise device_mismatch_error(t, ctx.device_index if ctx.device_index is not None else current_device())
+        if self.functional is not None:
+            pos, kw = self.split_call([_to_meta(v) for v in values])
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    result = self.functional(*pos, **kw)
+            except (RuntimeError, IndexError, ValueError, TypeError) as err:
+                raise self._cpu_error(values) or err from None
+            result = result[0] if isinstance(result, tuple | list) else result
+            target = mutated[0]
+            if isinstance(result, torch.Tensor) and not torch.can_cast(result.dtype, target.dtype):
+                raise self._cpu_error(values) or RuntimeError(
+                    f"result type {dtype_name(result.dtype)} can't be cast to the desired output type "
+                    f"{dtype_name(target.dtype)}\n[torchneuron] in {self.name}{_describe(values)}")
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        if oracle.may_overlap(mutated, tensors):
+            err = self._cpu_error(values)
+            if err is not None and str(err).startswith(oracle.OVERLAP):
+                raise err
+
+    def _cpu_error(self, values):
+        """CPU's error for this call (see eager/oracle.py), with the op and inputs, or None."""
+        err = oracle.cpu_error(self.overload, values, self.kwarg_only, self.arg_names)
+        return None if err is None else oracle.as_cpu_error(err, self.name, _describe(values))
 
     def _first_call(self, exe, bufs, runtime, values, device_index):
         """Make the executable callable: load it from the persistent cache, or compile it (and
@@ -272,6 +313,9 @@ class Kernel(OpSignature):
                 # A lowering rejecting a dtype as ATen's kernels do (ops.numerics.require_floating).
                 raise NotImplementedForDtype(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
             except Exception as err:
+                cpu = self._cpu_error(values)   # a check only the CPU kernel makes (max() of nothing)
+                if cpu is not None:
+                    raise cpu from None
                 error = self.compile_error(values, err)
                 if error is err:
                     raise
@@ -309,7 +353,11 @@ class Kernel(OpSignature):
         except NotImplementedError:
             return self._shape_from_lowering(values)
         except (RuntimeError, IndexError, ValueError, TypeError) as err:
-            # PyTorch's own shape/dtype check failed: keep its message, add the op and inputs.
+            # PyTorch's own shape/dtype check failed. Some meta kernels are Python references that
+            # raise another type or text than the CPU kernel: CPU's error wins where it has one.
+            cpu = self._cpu_error(values)
+            if cpu is not None:
+                raise cpu from None
             raise type(err)(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
 
     def _shape_from_lowering(self, values):

@@ -71,6 +71,26 @@ class _TooLarge(Exception):
     pass
 
 
+def too_large(values) -> bool:
+    """Whether :func:`cpu_error` would skip this call (it returns None then: no verdict)."""
+    seen, total = set(), 0
+
+    def visit(v):
+        nonlocal total
+        if isinstance(v, torch.Tensor) and v.device.type == "neuron":
+            storage = v.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(v, list | tuple):
+            for x in v:
+                visit(x)
+
+    for v in values:
+        visit(v)
+    return total > REPLAY_LIMIT_BYTES
+
+
 def may_overlap(mutated, tensors) -> bool:
     """Whether a written tensor overlaps itself (an expanded view) or shares its storage with
     another argument in a way that is not the very same view: what only the CPU kernels check."""

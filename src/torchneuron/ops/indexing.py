@@ -42,14 +42,19 @@ def index(self, indices):
     return self[_index_tuple(indices)]
 
 
-@lowering("index_put.default", "_unsafe_index_put.default", promote="result", promote_args=("self", "values"))
+_INDEX_PUT_DTYPES = ("self", "values", "Index put requires the source and destination dtypes match, got {self} for "
+                     "the destination and {values} for the source.")
+
+
+@lowering("index_put.default", "_unsafe_index_put.default", promote="result", promote_args=("self", "values"),
+          same_dtype=_INDEX_PUT_DTYPES)
 def index_put(self, indices, values, accumulate=False):
     _check_indices(self, indices)
     idx = _index_tuple(indices)
     return _add_at(self.at[idx], values) if accumulate else self.at[idx].set(values)
 
 
-@lowering("_index_put_impl_.default", promote="result", promote_args=("self", "values"))
+@lowering("_index_put_impl_.default", promote="result", promote_args=("self", "values"), same_dtype=_INDEX_PUT_DTYPES)
 def index_put_impl_(self, indices, values, accumulate=False, unsafe=False):
     return index_put(self, indices, values, accumulate)
 
@@ -174,7 +179,8 @@ def _dim_index(ndim, dim, index):
     return (slice(None),) * dim + (index,)
 
 
-@lowering("index_add.default", promote="result", promote_args=("self", "source"))
+@lowering("index_add.default", promote="result", promote_args=("self", "source"),
+          same_dtype=("self", "source", "index_add_(): self ({self}) and source ({source}) must have the same scalar type"))
 def index_add(self, dim, index, source, *, alpha=1):
     if self.ndim == 0:
         return index_add(self.reshape(1), 0, index.reshape(-1), source.reshape(-1), alpha=alpha).reshape(())
@@ -184,7 +190,9 @@ def index_add(self, dim, index, source, *, alpha=1):
     return _add_at(self.at[_dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))], scaled)
 
 
-@lowering("index_copy.default", promote="result", promote_args=("self", "source"))
+@lowering("index_copy.default", promote="result", promote_args=("self", "source"),
+          same_dtype=("self", "source", "index_copy_(): self and source expected to have the same dtype, but got (self) "
+                      "{self} and (source) {source}"))
 def index_copy(self, dim, index, source):
     if self.ndim == 0:
         _check_nonnegative(index, 1, 0, IndexError, "index_copy_(): " + out_of_bounds(0, 1))
@@ -254,7 +262,9 @@ def take(self, index):
     return flat[_wrap(index, flat.shape[0])]
 
 
-@lowering("put.default", promote="result", promote_args=("self", "source"))
+@lowering("put.default", promote="result", promote_args=("self", "source"),
+          same_dtype=("self", "source", "put_(): self and source expected to have the same dtype, but got self.dtype = "
+                      "{self} and source.dtype = {source}"))
 def put(self, index, source, accumulate=False):
     flat = self.reshape(-1)
     index_in_range(index, flat.shape[0], _take_message(flat.shape[0]))
@@ -280,7 +290,8 @@ def nonzero_static(self, *, size, fill_value=-1):
     return coords
 
 
-@lowering("index_reduce.default", promote="result", promote_args=("self", "source"))
+@lowering("index_reduce.default", promote="result", promote_args=("self", "source"),
+          same_dtype=("self", "source", "index_reduce_(): self ({self}) and source ({source}) must have the same scalar type"))
 def index_reduce(self, dim, index, source, reduce, *, include_self=True):
     if self.ndim == 0:
         self, source = self.reshape(1), source.reshape(1)

@@ -91,9 +91,12 @@ def user_site(skip: int = 1) -> dict | None:
 
 def place(frame):
     """(code object, line) of the innermost user frame at or above ``frame``, or None: the cheap
-    record of a call site for code that describes it only if something goes wrong later."""
-    frame = _walk(frame)
-    return None if frame is None else (frame.f_code, frame.f_lineno)
+    record of a call site for code that describes it only if something goes wrong later. Ops the
+    autograd engine runs on its own thread get the main thread's user line (``loss.backward()``)."""
+    found = _walk(frame)
+    if found is None and threading.current_thread() is not threading.main_thread():
+        found = _walk(sys._current_frames().get(threading.main_thread().ident))
+    return None if found is None else (found.f_code, found.f_lineno)
 
 
 def format_place(where) -> str:
