@@ -2,27 +2,24 @@
 index_select, embedding, index_put_, scatter_) and integer division by zero, timed with
 ``config.device_checks`` = "off", "deferred" (the default) and "sync", side by side in one run.
 
-Each row is the median over repeats of N back-to-back eager calls followed by one synchronisation
-(what a training step does), so "deferred" includes reading the outcomes at that sync. A second
-table times a torch.compile graph (embedding + gather + floor division) the same way.
+Each row is the best over repeats of N back-to-back eager calls followed by one synchronisation
+(what a training step does), so "deferred" includes reading the outcomes at that sync. The modes
+take turns within each repeat (a noisy machine then slows all of them alike); switching the mode
+clears the executable caches, so every turn starts with one untimed warm-up call. A second table
+times a torch.compile graph (embedding + gather + floor division) the same way.
 
-    .venv/bin/python bench/device_checks.py [--calls 200] [--repeats 7]
+    .venv/bin/python bench/device_checks.py [--calls 100] [--repeats 7]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
+import time
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from eager_overhead import _median_us  # noqa: E402
-
-import torchneuron  # noqa: E402
-from torchneuron.eager import kernel  # noqa: E402
+import torchneuron
 
 MODES = ("off", "deferred", "sync")
 
@@ -50,29 +47,41 @@ def cases():
     ]
 
 
-def _time(fn, args, calls, repeats):
-    args = [t.to("neuron") for t in args]
-    return _median_us(lambda: fn(*args), calls, repeats, torch.neuron.synchronize)
+def _turns(make, modes, calls, repeats):
+    """Best µs per call of ``make()``'s function in each mode, the modes taking turns."""
+    best = {m: float("inf") for m in modes}
+    for _ in range(repeats):
+        for mode in modes:
+            torchneuron.config.device_checks = mode   # clears the executable caches
+            fn = make()
+            fn()                                      # compile (untimed)
+            torch.neuron.synchronize()
+            start = time.perf_counter()
+            # Results are kept: synchronize() waits for the buffers of live tensors.
+            results = [fn() for _ in range(calls)]
+            torch.neuron.synchronize()
+            best[mode] = min(best[mode], (time.perf_counter() - start) / calls * 1e6)
+            del results
+    torchneuron.config.device_checks = "deferred"
+    return best
 
 
-def _with_mode(mode):
-    torchneuron.config.device_checks = mode
-    kernel.clear_cache()   # executables compile their checks in (or not)
+def _eager_call(fn, args):
+    def make():
+        return lambda: fn(*args)
+    return make
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--calls", type=int, default=100)
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     print(f"{'eager op':32s}" + "".join(f"{m + ' µs':>13s}" for m in MODES)
           + f"{'deferred/off':>14s}{'sync/off':>10s}")
     for name, fn, inputs in cases():
-        times = {}
-        for mode in MODES:
-            _with_mode(mode)
-            times[mode] = _time(fn, inputs, args.calls, args.repeats)
+        times = _turns(_eager_call(fn, [t.to("neuron") for t in inputs]), MODES, args.calls, args.repeats)
         print(f"{name:32s}" + "".join(f"{times[m]:13.1f}" for m in MODES)
               + f"{times['deferred'] / times['off']:14.2f}{times['sync'] / times['off']:10.2f}")
 
@@ -80,20 +89,22 @@ def main() -> None:
         return torch.nn.functional.embedding(t, w).sum() + x.gather(1, i).sum() + (a // b).sum()
 
     g = torch.Generator().manual_seed(1)
-    inputs = (torch.randn(32000, 256, generator=g), torch.randint(0, 32000, (8, 512), generator=g),
-              torch.randn(1024, 256, generator=g), torch.randint(0, 256, (1024, 64), generator=g),
-              torch.randint(-1000, 1000, (512, 512), generator=g), torch.randint(1, 100, (512, 512), generator=g))
-    print(f"\n{'torch.compile graph':32s}" + "".join(f"{m + ' µs':>13s}" for m in MODES[:2])
-          + f"{'deferred/off':>14s}")
-    times = {}
-    for mode in MODES[:2]:
-        _with_mode(mode)
+    inputs = [t.to("neuron") for t in (
+        torch.randn(32000, 256, generator=g), torch.randint(0, 32000, (8, 512), generator=g),
+        torch.randn(1024, 256, generator=g), torch.randint(0, 256, (1024, 64), generator=g),
+        torch.randint(-1000, 1000, (512, 512), generator=g), torch.randint(1, 100, (512, 512), generator=g))]
+
+    def compiled():
         torch._dynamo.reset()
-        compiled = torch.compile(step, backend="neuron")
-        times[mode] = _time(compiled, inputs, args.calls // 4, args.repeats)
-    print(f"{'embedding+gather+int //':32s}" + "".join(f"{times[m]:13.1f}" for m in MODES[:2])
+        graph = torch.compile(step, backend="neuron")
+        return lambda: graph(*inputs)
+
+    modes = MODES[:2]
+    times = _turns(compiled, modes, max(args.calls // 4, 1), args.repeats)
+    print(f"\n{'torch.compile graph':32s}" + "".join(f"{m + ' µs':>13s}" for m in modes)
+          + f"{'deferred/off':>14s}")
+    print(f"{'embedding+gather+int //':32s}" + "".join(f"{times[m]:13.1f}" for m in modes)
           + f"{times['deferred'] / times['off']:14.2f}")
-    _with_mode("deferred")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 
 import jax.numpy as jnp
+from jax import lax
 
 _tls = threading.local()
 
@@ -43,9 +44,15 @@ def fail_if(bad, value, error: type, message: str) -> None:
     bad = jnp.asarray(bad).reshape(-1)
     if not bad.size:
         return
-    first = jnp.argmax(bad)
-    shown = jnp.asarray(value).reshape(-1)[first] if value is not None else jnp.zeros((), jnp.int64)
-    sink.append((jnp.any(bad), shown.astype(jnp.int64), first.astype(jnp.int64), Check(error, message)))
+    found = jnp.any(bad)
+    flat = jnp.asarray(value).reshape(-1).astype(jnp.int64) if value is not None else None
+
+    def first(_):   # where the first failure is: an argmax, paid only when something failed
+        at = jnp.argmax(bad)
+        return jnp.stack([flat[at] if flat is not None else jnp.zeros((), jnp.int64), at.astype(jnp.int64)])
+
+    shown = lax.cond(found, first, lambda _: jnp.zeros(2, jnp.int64), None)
+    sink.append((found, shown[0], shown[1], Check(error, message)))
 
 
 @contextlib.contextmanager
