@@ -42,8 +42,10 @@ def internal(filename: str) -> bool:
 
 
 def _describe(frame, via: str | None) -> dict:
-    code = frame.f_code
-    line = frame.f_lineno
+    return _site(frame.f_code, frame.f_lineno, via)
+
+
+def _site(code, line: int, via: str | None = None) -> dict:
     filename = code.co_filename
     shown = filename
     try:
@@ -103,16 +105,8 @@ def format_place(where) -> str:
     """"file:line in function: code" of a :func:`place`."""
     if where is None:
         return "(no user frame)"
-    code, line = where
-    filename = code.co_filename
-    try:
-        rel = os.path.relpath(filename)
-        if not rel.startswith(".."):
-            filename = rel
-    except ValueError:
-        pass
-    text = linecache.getline(code.co_filename, line).strip()
-    return f"{filename}:{line} in {code.co_name}" + (f": {text}" if text else "")
+    site = _site(*where)
+    return format_site(site) + (f": {site['code']}" if site["code"] else "")
 
 
 def format_site(site: dict | None) -> str:
