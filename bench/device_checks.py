@@ -35,7 +35,10 @@ def cases():
     b = torch.randint(1, 100, (1024, 1024), generator=g)
     vals = torch.randn(512, 256, generator=g)
     src = torch.randn(1024, 64, generator=g)
+    small, small_idx = torch.randn(16, 16, generator=g), torch.randint(0, 16, (16, 2), generator=g)
     return [
+        # Tiny: what a checked op adds per call (outcome bookkeeping, call site), not per element.
+        ("gather 16x16 dim1 [16x2] (tiny)", lambda x, i: x.gather(1, i), (small, small_idx)),
         ("x[idx] 1024x256[512]", lambda x, i: x[i], (x, idx)),
         ("gather 1024x256 dim1 [1024x64]", lambda x, i: x.gather(1, i), (x, gidx)),
         ("index_select 1024x256 [512]", lambda x, i: x.index_select(0, i), (x, idx)),
