@@ -261,8 +261,13 @@ class Kernel(OpSignature):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     result = self.functional(*pos, **kw)
-            except (RuntimeError, IndexError, ValueError, TypeError) as err:
-                raise self._cpu_error(values) or err from None
+            except (RuntimeError, IndexError, ValueError, TypeError):
+                # The functional form cannot judge this call (pow_.Scalar's functional twin takes a
+                # Scalar self): CPU does, once per cache entry.
+                err = self._cpu_error(values)
+                if err is not None:
+                    raise err from None
+                result = None
             result = result[0] if isinstance(result, tuple | list) else result
             target = mutated[0]
             if isinstance(result, torch.Tensor) and not torch.can_cast(result.dtype, target.dtype):
