@@ -6,10 +6,14 @@ Every lowered ATen overload gets a ``Kernel``. A call:
    strides, offset and storage (``Scalar``s contribute only their Python type: their values are
    runtime inputs, so a new learning rate compiles nothing);
 2. on a miss, runs the op on ``meta`` tensors (PyTorch's own shape/dtype rules and error
-   messages), applies the float64 policy, traces the lowering between "read each input view from
-   its storage buffer" and "write outputs/mutations back", and compiles it with ``jax.jit``;
+   messages), applies the rules for written tensors meta kernels miss (device, in-place casting,
+   overlap; CPU's own error where meta and CPU disagree: ``eager/oracle.py``), applies the
+   float64 policy, traces the lowering between "read each input view from its storage buffer" and
+   "write outputs/mutations back" (plus the outcome of its device checks, ``ops/checks.py``), and
+   compiles it with ``jax.jit``;
 3. runs the executable on the storages' flat buffers and wraps fresh output buffers as neuron
-   tensors, or replaces the buffers of mutated storages.
+   tensors, or replaces the buffers of mutated storages; a device-check outcome goes to
+   ``runtime/deferred.py``, read at the next synchronisation point.
 
 What the schema says (argument kinds, binding, mutated arguments, returns), promotion and how the
 lowering is called come from ``ops.signature``, shared with torch.compile graphs; this module adds
