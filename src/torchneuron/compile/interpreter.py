@@ -145,7 +145,7 @@ class Interpreter:
                 except Exception as err:  # noqa: BLE001 - reported with the node that failed
                     raise NodeFailure(step.node, err) from err
                 if sink is not None and len(sink) > before:
-                    op = step.signature.short_name if step.kind != "foreach" else str(step.node.target)
+                    op = step.signature.name if step.kind != "foreach" else str(step.node.target)
                     found.extend((entry, op) for entry in sink[before:])
         self.checks = tuple((entry[-1], op) for entry, op in found)
         outputs = []

@@ -609,7 +609,7 @@ class _Traced:
             mutated_vals, new_vals = k.call_lowering(values, self.promote_dtype, key, len(self.write_targets),
                                                      len(self.out_specs), self.contiguous)
         found = found or ()
-        self.checks = tuple((entry[-1], k.short_name) for entry in found)
+        self.checks = tuple((entry[-1], k.name) for entry in found)
         outputs = []
         for value, spec in zip(new_vals, self.out_specs):
             if spec is None:

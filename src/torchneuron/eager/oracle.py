@@ -109,9 +109,9 @@ def may_overlap(mutated, tensors) -> bool:
 
 
 def as_cpu_error(err: BaseException, op: str, described: str) -> BaseException:
-    """CPU's exception, with the op and its neuron inputs appended to its message."""
+    """CPU's exception, with the op (its qualified name) and its neuron inputs appended."""
     first = str(err.args[0]) if err.args else str(err)
     try:
-        return type(err)(f"{first}\n[torchneuron] in aten::{op}{described}")
+        return type(err)(f"{first}\n[torchneuron] in {op}{described}")
     except Exception:   # noqa: BLE001 - an exception type with another constructor
         return err

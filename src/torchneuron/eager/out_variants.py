@@ -49,7 +49,7 @@ class OutKernel:
             values = self.signature.bind(args, dict(kwargs, **dict(zip(self.out_names, outs))))
             err = oracle.cpu_error(self.overload, values, self.signature.kwarg_only, self.signature.arg_names)
             if err is not None:
-                raise oracle.as_cpu_error(err, self.signature.short_name, describe_args(values)) from None
+                raise oracle.as_cpu_error(err, self.signature.name, describe_args(values)) from None
             checked = err is None and not oracle.too_large(values)
             if checked:
                 self.checked.add(key)

@@ -39,7 +39,7 @@ def check_now(outcome, checks) -> None:
     error = _first_error(np.asarray(outcome), checks)
     if error is not None:
         kind, message, op = error
-        raise kind(f"{message}\n[torchneuron] in aten::{op}")
+        raise kind(f"{message}\n[torchneuron] in {op}")
 
 
 def raise_pending(count: int | None = None) -> None:
@@ -58,7 +58,7 @@ def raise_pending(count: int | None = None) -> None:
             _pending.clear()
             kind, message, op = error
             raise kind(
-                f"{message}\n[torchneuron] raised by aten::{op} called at {sites.format_place(site)}. "
+                f"{message}\n[torchneuron] raised by {op} called at {sites.format_place(site)}. "
                 "The device checked it and it is reported at the next synchronisation point "
                 "(TORCHNEURON_DEVICE_CHECKS=sync reports it at the op itself; =off skips these checks).")
 
