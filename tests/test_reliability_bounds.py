@@ -91,6 +91,9 @@ _OUT_OF_RANGE = [
     ("index_add_", lambda x: x.index_add_(0, _I([3]).to(x.device), torch.ones(1, 4, device=x.device))),
     ("index_copy_", lambda x: x.index_copy_(0, _I([-1]).to(x.device), torch.ones(1, 4, device=x.device))),
     ("index_fill_", lambda x: x.index_fill_(0, _I([3]).to(x.device), 1.0)),
+    ("embedding_bag", lambda x: torch.nn.functional.embedding_bag(_I([1, 5]).to(x.device), x, _I([0]).to(x.device))),
+    ("nll_loss", lambda x: torch.nn.functional.nll_loss(x, _I([0, -100, 4]).to(x.device))),
+    ("cross_entropy", lambda x: torch.nn.functional.cross_entropy(x, _I([0, 1, -1]).to(x.device))),
 ]
 
 
