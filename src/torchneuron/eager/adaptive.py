@@ -105,6 +105,7 @@ class Region:
                 return
             ops, runtime, op_sites = self.ops, self.runtime, self.sites
             external, external_sids, addr_of = self.external, self.external_sids, self.addr_of
+            memory.allocator.collect()   # storages freed meanwhile need no output
             live = tuple(sorted(sid for sid in self.results if addr_of[sid] in _records))
             self.reset()
             # Executables stand for their cache keys (one per key, hashed by identity: cheaper than

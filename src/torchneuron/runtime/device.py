@@ -101,6 +101,7 @@ class device:  # noqa: N801 - mirrors torch.cuda.device
 def synchronize(device=None) -> None:
     """Wait until every pending computation on neuron buffers has finished."""
     memory.flush_pending("synchronize")
+    memory.allocator.collect()
     for rec in list(memory.allocator.records.values()):
         buf = rec.buf
         if buf is not None:
@@ -182,6 +183,7 @@ def set_rng_state_all(states) -> None:
 
 # -- memory ---------------------------------------------------------------------------------------
 def memory_allocated(device=None) -> int:
+    memory.allocator.collect()
     return memory.allocator.allocated.get(_index(device), 0)
 
 
@@ -191,12 +193,14 @@ def max_memory_allocated(device=None) -> int:
 
 def reset_peak_memory_stats(device=None) -> None:
     index = _index(device)
+    memory.allocator.collect()
     memory.allocator.peak[index] = memory.allocator.allocated.get(index, 0)
 
 
 def memory_stats(device=None) -> dict:
     index = _index(device)
     a = memory.allocator
+    a.collect()
     live = sum(1 for r in a.records.values() if r.device_index == index)
     return {
         "allocated_bytes.all.current": a.allocated.get(index, 0),

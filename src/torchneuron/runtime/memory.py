@@ -11,6 +11,7 @@ alive exactly as long as the storage) fires when PyTorch frees the storage, whic
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import struct
 import sys
@@ -203,30 +204,45 @@ class _Allocator:
         self._watches: dict[int, _StorageWatch] = {}   # storage address -> its watch
         self._next = self._BASE
         self._end = self._LIMIT   # the next live handle above _next (the space's end at first)
-        # Re-entrant: a storage's watch may fire (and take the lock) in the thread that holds it.
+        # Watches of storages PyTorch freed, not accounted for yet (see collect()).
+        self._freed = collections.deque()
+        # Re-entrant: collect() runs inside allocations that hold it.
         self._lock = threading.RLock()
         self.allocated = {}   # device index -> bytes
         self.peak = {}
         self.num_allocs = 0
         self.num_frees = 0
 
-    def _on_free(self, watch: _StorageWatch) -> None:
-        """A storage is gone: drop its buffer and its bytes from the statistics."""
-        try:
-            with self._lock:   # frees race with allocations in other threads
-                del self._watches[watch.addr]
-                record = self.records.pop(watch.addr)
-                self.allocated[record.device_index] -= record.nbytes
-                self.num_frees += 1
-            record.buf = None
-        except Exception:  # interpreter shutdown: the tables may already be gone
-            pass
+    def collect(self) -> None:
+        """Account for the storages PyTorch freed since the last call: drop their buffers and their
+        bytes from the statistics. Runs before every allocation and statistics read.
+
+        A storage's watch only queues itself when it fires (a C-level append): a Python callback
+        would be where a pending Ctrl-C gets raised and, as callbacks cannot raise, lost -- with
+        the free left half done (clearing a list of tensors used to drop the interrupt and leak a
+        storage's bytes in the counters)."""
+        freed = self._freed
+        with self._lock:   # frees race with allocations in other threads
+            while freed:
+                watch = freed[0]
+                record = self.records.get(watch.addr)
+                if record is not None:
+                    # No calls up to the popleft: an interrupt (raised at calls and loops only)
+                    # cannot leave a half-done free; one raised after the popleft finds it done.
+                    del self.records[watch.addr]
+                    del self._watches[watch.addr]
+                    self.allocated[record.device_index] -= record.nbytes
+                    self.num_frees += 1
+                    record.buf = None
+                freed.popleft()
 
     def _register(self, nbytes: int, dtype: torch.dtype, device_index: int, buf) -> int:
         """A fresh handle for a storage of ``nbytes``, counted in the statistics."""
         record = StorageRecord(nbytes, dtype, device_index, buf)
         span = (nbytes + 64) & ~63   # _span, inline: the per-op hot path
         with self._lock:
+            if self._freed:
+                self.collect()
             addr = self._next
             if addr + span > self._end:
                 addr, self._end = self._find_gap(span)
@@ -243,8 +259,9 @@ class _Allocator:
         # No DLPack deleter (PyTorch accepts none): a ctypes callback into Python that runs while an
         # exception propagates (a temporary freed during unwinding) turns that exception into a
         # SystemError. PyTorch keeps a storage's Python object alive exactly as long as the storage,
-        # and weakref callbacks leave a pending exception intact, so a weakref watches it instead.
-        watch = _StorageWatch(tensor.untyped_storage(), self._on_free)
+        # and weakref callbacks leave a pending exception intact, so a weakref watches it instead;
+        # it only queues itself (see collect()).
+        watch = _StorageWatch(tensor.untyped_storage(), self._freed.append)
         watch.addr = addr
         self._watches[addr] = watch
         return tensor
@@ -262,6 +279,7 @@ class _Allocator:
         """A free handle range of ``span`` bytes and the next live handle above it (the caller holds
         the lock). Handles are handed out in increasing order up to the next live storage (the end
         of the space at first); once the space is used up, the gaps freed storages left are reused."""
+        self.collect()
         live = sorted((a, _span(r.nbytes)) for a, r in list(self.records.items()))
         for addr in (self._next, self._BASE):
             for start, used in live:
