@@ -202,3 +202,35 @@ def test_integer_division_without_zero_and_float_division_by_zero_are_unchanged(
     f = _A.float().to("neuron")
     assert_same(f // _Z.float().to("neuron"), _A.float() // _Z.float(), equal_nan=True)   # inf/nan, no error
     assert_same(f % 0, _A.float() % 0, equal_nan=True)
+
+
+_PERSISTED_RUN = """
+import sys, torch, torchneuron
+x = torch.arange(6.0, device="neuron")
+x[torch.tensor([1, 2], device="neuron")].cpu()      # in range: compiles, or loads, the executable
+try:
+    x[torch.tensor([1, 9], device="neuron")].cpu()
+    print("RESULT no error")
+except IndexError as err:
+    print("RESULT", err.args[0].splitlines()[0])
+print("LOADED", torchneuron.metrics()["eager_cache_loads"])
+"""
+
+
+def test_an_executable_loaded_by_another_process_keeps_its_checks(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    def run(**env):
+        proc = subprocess.run([sys.executable, "-c", _PERSISTED_RUN], capture_output=True, text=True,
+                              timeout=300, env=dict(os.environ, TORCHNEURON_CACHE_DIR=str(tmp_path), **env))
+        lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+        assert "RESULT" in lines, proc.stderr[-3000:]
+        return lines["RESULT"], int(lines["LOADED"])
+
+    assert run() == ("index 9 is out of bounds for dimension 0 with size 6", 0)
+    result, loaded = run()
+    assert loaded > 0 and result == "index 9 is out of bounds for dimension 0 with size 6"
+    # An executable compiled without checks is another entry, never loaded where checks are on.
+    assert run(TORCHNEURON_DEVICE_CHECKS="off") == ("no error", 0)
