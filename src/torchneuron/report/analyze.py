@@ -11,6 +11,7 @@ import re
 import time
 
 from ..metrics import op_label
+from ..runtime.sites import format_site
 from .env import KEY_FIELDS
 
 REPORT_SCHEMA = "torchneuron.report/1"
@@ -69,12 +70,7 @@ def _finding(severity, kind, title, detail, **extra) -> dict:
 
 
 def _site_text(site) -> str:
-    if not site:
-        return "(no user frame)"
-    text = f"{site['file']}:{site['line']}"
-    if site.get("via"):
-        text += f" ({site['via']})"
-    return text
+    return format_site(site, function=False)
 
 
 # -- sections ---------------------------------------------------------------------------------------

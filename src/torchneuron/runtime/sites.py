@@ -109,10 +109,13 @@ def format_place(where) -> str:
     return format_site(site) + (f": {site['code']}" if site["code"] else "")
 
 
-def format_site(site: dict | None) -> str:
+def format_site(site: dict | None, *, function: bool = True, missing: str = "(no user frame)") -> str:
+    """"file:line in function (via)" of a site dict (also the report's text of a kept call site)."""
     if not site:
-        return "(no user frame)"
-    text = f"{site['file']}:{site['line']} in {site['function']}"
+        return missing
+    text = f"{site['file']}:{site['line']}"
+    if function:
+        text += f" in {site['function']}"
     if site.get("via"):
         text += f" ({site['via']})"
     return text
