@@ -56,7 +56,8 @@ _records = memory.allocator.records
 
 
 class Executable:
-    __slots__ = ("traced", "call", "out_specs", "outputs", "writes", "op_name", "key", "reason", "single")
+    __slots__ = ("traced", "call", "out_specs", "outputs", "writes", "op_name", "key", "reason", "single",
+                 "single_checked")
 
     def __init__(self, traced, out_specs, writes, op_name, key=None, reason=None):
         self.traced = traced          # the pure function of (buffers..., runtime values...)
@@ -69,6 +70,13 @@ class Executable:
         self.key = key                # the cache key (what decides this program)
         self.reason = reason          # why it was needed: "new op", "new shape", ...
         self.single = False           # the op returns exactly one new output and writes nothing
+        self.single_checked = False   # the same, plus the outcome of its device checks (ops/checks)
+
+    def split_single(self) -> None:
+        """Once its device checks are known (traced or loaded): their outcome is one more result,
+        so a checked single-output op takes its own shortcut."""
+        if self.single and self.traced.checks:
+            self.single, self.single_checked = False, True
 
 
 # The adaptive-eager recorder while that mode is on (see eager/adaptive.py), else None.
@@ -166,6 +174,9 @@ class Kernel(OpSignature):
     def _finish(self, exe, results, values, ctx):
         device_index = ctx.device_index
         if exe.single:   # one new output, nothing written: most ops
+            return memory.allocator.new_output(exe.outputs[0], results[0], device_index)
+        if exe.single_checked:   # the same with device checks (x[idx], gather...): their outcome last
+            exe.traced.report(results[1], sites.place(sys._getframe()))
             return memory.allocator.new_output(exe.outputs[0], results[0], device_index)
         new_output = memory.allocator.new_output
         outs = []
@@ -300,7 +311,7 @@ class Kernel(OpSignature):
             # be stored in the entry's metadata (``store`` below) and restored here.
             exe.call = loaded[0]
             exe.traced.checks = checks.from_portable(loaded[1].get("checks", ()), self.short_name)
-            exe.single = exe.single and not exe.traced.checks
+            exe.split_single()
             metrics.eager_cache_loads += 1
             results = exe.call(*bufs, *runtime)
             metrics.compile_seconds += time.perf_counter() - start
@@ -333,8 +344,7 @@ class Kernel(OpSignature):
                 # The executable jit just compiled (its lowering and compile are cached in memory).
                 executable_store.store("eager", name, lambda: jitted.lower(*bufs, *runtime).compile(),
                                        {"op": self.short_name, "checks": checks.portable(traced.checks)})
-        # The device checks' outcome is one more result: never the single-output shortcut.
-        exe.single = exe.single and not traced.checks
+        exe.split_single()
         metrics.compile_seconds += time.perf_counter() - start
         metrics.executables_compiled += 1
         metrics.eager_compiles[exe.reason] += 1

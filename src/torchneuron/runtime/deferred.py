@@ -73,8 +73,8 @@ def clear() -> None:
 
 def _first_error(outcome, checks):
     """(exception type, message, op) of the first failed check in an outcome array, or None."""
+    values = outcome.tolist()   # Python ints: indexing numpy scalars costs more than the read
     for k, (check, op) in enumerate(checks):
-        failed, value, position = outcome[3 * k: 3 * k + 3]
-        if failed:
-            return check.error, check.message.format(value=int(value), position=int(position)), op
+        if values[3 * k]:
+            return check.error, check.message.format(value=values[3 * k + 1], position=values[3 * k + 2]), op
     return None
