@@ -310,7 +310,7 @@ class Kernel(OpSignature):
             # A loaded executable is never traced: whatever the hot path needs from tracing must
             # be stored in the entry's metadata (``store`` below) and restored here.
             exe.call = loaded[0]
-            exe.traced.checks = checks.from_portable(loaded[1].get("checks", ()), self.short_name)
+            exe.traced.checks = tuple(loaded[1].get("checks", ()))   # pickled with the entry
             exe.split_single()
             metrics.eager_cache_loads += 1
             results = exe.call(*bufs, *runtime)
@@ -343,7 +343,7 @@ class Kernel(OpSignature):
             if name is not None:
                 # The executable jit just compiled (its lowering and compile are cached in memory).
                 executable_store.store("eager", name, lambda: jitted.lower(*bufs, *runtime).compile(),
-                                       {"op": self.short_name, "checks": checks.portable(traced.checks)})
+                                       {"op": self.short_name, "checks": traced.checks})
         exe.split_single()
         metrics.compile_seconds += time.perf_counter() - start
         metrics.executables_compiled += 1

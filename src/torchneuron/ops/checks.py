@@ -87,19 +87,6 @@ def pack(entries):
     return jnp.stack(flat)
 
 
-_ERRORS = {e.__name__: e for e in (IndexError, RuntimeError, ValueError, DeviceZeroDivisionError)}
-
-
-def portable(found) -> list:
-    """An executable's ``((Check, op), ...)`` as plain values (persisted with it)."""
-    return [(check.error.__name__, check.message) for check, _ in found or ()]
-
-
-def from_portable(saved, op: str) -> tuple:
-    """The inverse of :func:`portable` for the op ``op``."""
-    return tuple((Check(_ERRORS[name], message), op) for name, message in saved)
-
-
 # -- the checks lowerings state -------------------------------------------------------------------
 def out_of_bounds(dim: int, size: int) -> str:
     return f"index {{value}} is out of bounds for dimension {dim} with size {size}"
