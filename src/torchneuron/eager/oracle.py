@@ -20,6 +20,12 @@ import torch
 # Replays needing more CPU memory than this are skipped (the meta kernel's judgement stands).
 REPLAY_LIMIT_BYTES = 64 << 20
 
+# LAPACK-backed CPU kernels are not replayed: on zero-filled inputs some of them crash the process
+# (ormqr on complex64 samples segfaulted in PyTorch's test_ops); their meta kernels' errors stand.
+_NOT_REPLAYED = ("linalg_", "_linalg_", "ormqr", "geqrf", "householder_product", "triangular_solve",
+                 "cholesky", "lu", "_lu", "lstsq", "svd", "_svd", "eig", "symeig", "qr", "slogdet",
+                 "logdet", "det", "inverse", "pinverse", "matrix_exp", "lu_solve", "lu_unpack")
+
 # PyTorch's message for writes through overlapping memory starts with this.
 OVERLAP = "unsupported operation:"
 
@@ -27,6 +33,9 @@ OVERLAP = "unsupported operation:"
 def cpu_error(overload, values, kwarg_only, arg_names):
     """What ``overload`` raises on CPU for these arguments (schema order), or None if it runs (or
     the replay would be too large to make)."""
+    base = overload.name().split("::", 1)[-1].split(".", 1)[0]
+    if base.startswith(_NOT_REPLAYED[:2]) or base.rstrip("_") in _NOT_REPLAYED[2:]:
+        return None
     storages: dict = {}
     budget = [REPLAY_LIMIT_BYTES]
 
