@@ -24,6 +24,15 @@ def _fresh_metrics():
     yield
 
 
+@pytest.fixture(params=["plain", "adaptive"])
+def both_eager_modes(request, monkeypatch):
+    """Run the test in plain eager mode and again in adaptive eager mode (parity in both; regions
+    compile as soon as they repeat, so the fused path runs too)."""
+    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 1.0)
+    with torchneuron.eager_mode(request.param):
+        yield request.param
+
+
 @pytest.fixture
 def strict_fallback():
     """Any CPU fallback inside the test is an error."""

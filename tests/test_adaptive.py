@@ -1,8 +1,14 @@
-"""Adaptive eager: the same program, the same results, fewer executables launched."""
+"""Adaptive eager: the same program, the same results, fewer executables launched.
 
+Regions run op by op until their fused executable is compiled in the background; tests that need the
+fused path wait for it with ``adaptive.wait_for_compiles()`` (counts, never timing).
+"""
+
+import contextlib
 import gc
 import subprocess
 import sys
+import threading
 import traceback
 
 import pytest
@@ -11,15 +17,21 @@ import torch.nn.functional as F
 from test_training_parity import CNN, MLP, assert_losses_match, train
 
 import torchneuron
+from torchneuron.eager import adaptive as adaptive_mode
 
 from conftest import cpu_only
 
 
 @pytest.fixture
-def adaptive():
+def adaptive(monkeypatch):
+    adaptive_mode.wait_for_compiles()   # nothing from an earlier test lands in this one's metrics
+    adaptive_mode.clear_region_cache()
+    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 1.0)   # compile when repeated
+    torchneuron.metrics.reset()
     torchneuron.set_eager_mode("adaptive")
     yield
     torchneuron.set_eager_mode("plain")
+    adaptive_mode.wait_for_compiles()
 
 
 def m(name):
@@ -131,19 +143,332 @@ def test_errors_surface_at_the_users_line():
 
 
 @pytest.mark.usefixtures("adaptive")
-def test_training_matches_cpu_and_compiles_the_step_once():
+def test_dtype_a_lowering_refuses_raises_at_the_users_line():
+    x = torch.arange(256).reshape(4, 4, 4, 4).to("neuron")
+    for _ in range(2):   # and again for the same call
+        with pytest.raises(NotImplementedError, match="not implemented for 'Long'") as err:
+            torch.nn.functional.adaptive_avg_pool2d(x, 2)  # <- raised here, not at a later read
+        frames = traceback.extract_tb(err.value.__traceback__)
+        assert "adaptive_avg_pool2d(x, 2)" in [f for f in frames if f.filename == __file__][-1].line
+    assert (x.float() + 1).sum().item() == 32896.0   # nothing half-recorded is left behind
+
+
+def _mlp_loop(read_every):
+    """An MLP training loop with AdamW that reads the loss every ``read_every`` steps (0: only at the
+    end). Waits for the background compiles after the third step, so later steps run fused."""
+    torch.manual_seed(1)
+    tokens, labels = torch.randint(0, 50, (16, 4)), torch.randint(0, 5, (16,))
+    torch.manual_seed(0)
+    model = MLP().to("neuron")
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    x, y = tokens.to("neuron"), labels.to("neuron")
+    losses = []
+    for step in range(12):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+        if read_every and step % read_every == 0:
+            loss.item()
+        if step == 2:
+            adaptive_mode.wait_for_compiles()
+    return [v.item() for v in losses]
+
+
+@pytest.mark.usefixtures("adaptive")
+@pytest.mark.parametrize("read_every", [1, 10, 0])
+def test_training_loop_regions_repeat_whether_or_not_it_reads_the_loss(read_every):
     torch.manual_seed(1)
     tokens, labels = torch.randint(0, 50, (16, 4)), torch.randint(0, 5, (16,))
     make_opt = lambda p: torch.optim.AdamW(p, lr=2e-3)  # noqa: E731
     with torchneuron.eager_mode("plain"):
-        cpu, _ = train(MLP, tokens, labels, F.cross_entropy, "cpu", make_opt)
+        cpu, _ = train(MLP, tokens, labels, F.cross_entropy, "cpu", make_opt, steps=12)
     torchneuron.metrics.reset()
-    neu, _ = train(MLP, tokens, labels, F.cross_entropy, "neuron", make_opt)
+    neu = _mlp_loop(read_every)
     assert_losses_match(cpu, neu)
-    # The first steps differ (optimizer state is created); after that every step hits the cache.
-    assert m("region_compiles") <= 3
-    assert m("region_cache_hits") >= 17
+    # Two regions per step, cut where the step has boundaries, not where the loop reads a value.
+    assert m("flush_reasons") == {"backward end": 12, "optimizer step": 12}
+    # Forward and backward are the same region every step; the optimizer's first step differs (it
+    # creates its state). So three region shapes, the two that repeat compiled once each.
+    assert m("region_unfused")["first sighting"] == 3
+    assert m("region_compiles") == 2
+    # Steps 4..12 ran fused; every op of those steps was checked against the known region.
+    assert m("region_cache_hits") >= 2 * 9
+    assert m("region_replayed_ops") >= 9 * m("region_ops") / 12
     assert m("fallbacks") == {}
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_first_occurrence_runs_op_by_op_then_fused_once_compiled():
+    a = torch.arange(6.0).to("neuron")
+    expected = ((torch.arange(6.0) * 2 + 1).relu() * 3).sum().item()
+    per_op_runs = []
+    for i in range(4):
+        before = m("executables_compiled") + m("cache_hits")
+        assert ((a * 2 + 1).relu() * 3).sum().item() == expected
+        per_op_runs.append(m("executables_compiled") + m("cache_hits") - before)
+        if i == 1:
+            adaptive_mode.wait_for_compiles()
+    # Until the fused executable is ready, each occurrence runs the per-op executables plain eager
+    # uses (compiling those it lacks, as plain eager would).
+    assert per_op_runs == [5, 5, 0, 0]
+    assert m("region_unfused") == {"first sighting": 1, "compiling": 1}
+    assert m("region_compiles") == 1 and m("region_cache_hits") == 2
+    assert m("region_compile_seconds") > 0
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_user_thread_never_waits_for_a_region_compile(monkeypatch):
+    release, started = threading.Event(), threading.Event()
+    build = adaptive_mode._fused
+
+    def slow_fused(seg, device):
+        started.set()
+        release.wait(60)
+        return build(seg, device)
+
+    monkeypatch.setattr(adaptive_mode, "_fused", slow_fused)
+    x = torch.ones(4).to("neuron")
+    try:
+        for i in range(6):
+            assert (x * i + 1).sum().item() == 4 * (i + 1)
+            if i == 1:
+                assert started.wait(60)   # the second occurrence queued the compile; it is blocked...
+        assert m("region_unfused") == {"first sighting": 1, "compiling": 5}  # ...the user's ran on
+        assert m("region_compiles") == 0
+    finally:
+        release.set()
+    adaptive_mode.wait_for_compiles()
+    assert (x * 7 + 1).sum().item() == 32
+    assert m("region_compiles") == 1 and m("region_cache_hits") == 1
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_compile_failure_keeps_the_region_running_op_by_op(monkeypatch):
+    def broken(seg, device):
+        raise RuntimeError("simulated compiler failure")
+
+    monkeypatch.setattr(adaptive_mode, "_fused", broken)
+    x = torch.arange(4.0).to("neuron")
+    for _ in range(4):
+        assert (x + 1).mul(2).tolist() == [2.0, 4.0, 6.0, 8.0]
+        adaptive_mode.wait_for_compiles()
+    assert m("region_unfused") == {"first sighting": 1, "compiling": 1, "compile failed": 2}
+    assert m("region_compiles") == 0
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_a_region_that_fails_to_run_leaves_its_results_unreadable_with_a_clear_error(monkeypatch):
+    def failing(exe, bufs, runtime):
+        raise RuntimeError("simulated device failure")
+
+    x = torch.arange(3.0).to("neuron")
+    y = x * 2
+    with monkeypatch.context() as patch:
+        patch.setattr(adaptive_mode, "_run_op", failing)
+        with pytest.raises(RuntimeError, match="simulated device failure"):
+            y.cpu()
+    with pytest.raises(RuntimeError, match="never computed.*simulated device failure"):
+        y.cpu()
+    assert (x * 2).tolist() == [0.0, 2.0, 4.0]   # the mode goes on working
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_regions_that_keep_changing_stop_being_compiled():
+    # Four new region shapes for each one that repeats: most regions are new, so compiling them
+    # would cost more than it returns.
+    sizes = []
+    for block in range(10):
+        sizes += [5 * block + 1, 5 * block + 2, 5 * block + 3, 5 * block + 4, 5 * block + 1]
+    for n in sizes:
+        t = torch.ones(n, device="neuron")
+        assert (t * 2 + 1).sum().item() == 3 * n
+    reasons = m("region_unfused")
+    assert reasons["regions keep changing"] >= 3
+    assert reasons["first sighting"] == 40
+    assert "regions keep changing" in torchneuron.metrics.summary()
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_background_compiles_wait_for_their_share_of_the_run_time(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(adaptive_mode, "_now", lambda: clock[0])
+    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 0.1)
+    budget = adaptive_mode.budget
+    budget.stop()
+    budget.reset()
+    budget.start()
+    x = torch.arange(4.0).to("neuron")
+    cost = budget.estimate(3)
+
+    def occurrence():
+        assert (x * 2 + 1).sum().item() == 16.0
+
+    occurrence()
+    occurrence()                       # repeated, but no time has passed: nothing to spend
+    assert m("region_unfused") == {"first sighting": 1, "waiting for compile budget": 1}
+    clock[0] += 0.9 * cost / 0.1       # 90% of the run time the compile needs at a 10% share
+    occurrence()
+    assert m("region_unfused")["waiting for compile budget"] == 2 and m("region_compiles") == 0
+    clock[0] += 0.1 * cost / 0.1
+    occurrence()                       # now affordable: queued
+    adaptive_mode.wait_for_compiles()
+    occurrence()
+    assert m("region_unfused")["compiling"] == 1
+    assert m("region_compiles") == 1 and m("region_cache_hits") == 1
+    # Time spent in plain mode earns nothing.
+    budget.stop()
+    tokens = budget.tokens
+    budget.start()
+    torchneuron.set_eager_mode("plain")
+    clock[0] += 100.0
+    torchneuron.set_eager_mode("adaptive")
+    budget.stop()
+    assert budget.tokens == tokens
+    budget.start()
+
+
+def test_the_first_compile_is_charged_as_on_a_busy_machine_until_one_is_measured(monkeypatch):
+    """A program's first seconds run no background compile on the quiet fit's optimistic estimate:
+    until a compile has been measured the estimate is pessimistic, then measured times replace it."""
+    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 0.1)
+    budget = adaptive_mode.CompileBudget()
+    quiet = 0.3 + 0.01 * 8                 # the fit, in seconds, for an 8-op region
+    assert budget.estimate(8) >= 3 * quiet
+    budget.settle(8, 2 * quiet)            # the first measurement replaces the guess
+    assert budget.estimate(8) == pytest.approx(2 * quiet)
+    budget.settle(8, quiet)                # later ones are averaged in
+    assert 1.0 * quiet < budget.estimate(8) < 2 * quiet
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_a_region_too_long_for_one_executable_is_split(monkeypatch):
+    monkeypatch.setattr(torchneuron.config, "adaptive_segment_ops", 3)
+    x = torch.arange(5.0).to("neuron")
+    c = torch.arange(5.0)
+    expected = (((c + 1) * 2 - 3) / 4 + c).exp().sum()
+    for i in range(3):
+        y = (((x + 1) * 2 - 3) / 4 + x).exp().sum()   # 7 ops: segments of 3, 3 and 1
+        torch.testing.assert_close(y.cpu(), expected)
+        if i == 1:
+            adaptive_mode.wait_for_compiles()
+    assert m("region_splits") == 1
+    assert m("region_compiles") == 3 and m("region_cache_hits") == 3
+
+
+def _replay_case(pairs):
+    """add_ through pairs of arguments; returns every result as a list."""
+    out = []
+    for a, b in pairs:
+        a.add_(b)
+        out.append(a.mul(2).tolist())
+    return out
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_replay_notices_a_call_that_differs_from_the_known_region():
+    # The same op sequence with different argument wiring, views and dtypes: each must take the
+    # full path (and give plain eager's result), never the replayed executable of another shape.
+    def run(device):
+        base = torch.arange(12.0, device=device).reshape(3, 4)
+        other = torch.ones(3, 4, device=device)
+        pairs = [(base, other)] * 3 + [(base, base), (base.t(), other.t()), (base[1], other[0]),
+                                       (base, other.double().float()), (base, other)] * 2
+        return _replay_case(pairs)
+
+    with torchneuron.eager_mode("plain"):
+        want = run("cpu")
+    got = run("neuron")
+    adaptive_mode.wait_for_compiles()
+    got += run("neuron")
+    assert got == want + want
+    assert 0 < m("region_replayed_ops") < m("region_ops")
+
+
+def _rows_loop(device, steps):
+    """Rows read and written at offsets that change every step (runtime inputs of one program), a
+    whole-storage read, and an integer division whose result dtype the default dtype decides."""
+    rows = torch.arange(24.0, device=device).reshape(6, 4)
+    cache = torch.zeros(6, 4, device=device)
+    ints = torch.arange(1, 5, device=device)
+    out = []
+    for step in range(steps):
+        if step == steps // 2:
+            torch.set_default_dtype(torch.bfloat16)
+        i = step % 6
+        cache[i].copy_(rows[i] * 2)
+        q = ints / 4
+        out.append(((cache[i] + rows[(i + 1) % 6]).sum() + rows.sum()).item())
+        out.append((q.dtype, q.tolist()))
+        if step in (2, steps // 2 + 2) and device == "neuron":
+            adaptive_mode.wait_for_compiles()   # each structure compiled once it repeated
+    out.append(cache.tolist())
+    return out
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_replay_takes_view_offsets_at_run_time_and_checks_the_default_dtype():
+    saved = torch.get_default_dtype()
+    try:
+        with torchneuron.eager_mode("plain"):
+            want = _rows_loop("cpu", 12)
+        torch.set_default_dtype(saved)
+        got = _rows_loop("neuron", 12)
+    finally:
+        torch.set_default_dtype(saved)
+    assert got == want
+    # One structure per default dtype (the first step's also holds the setup): rows at new offsets
+    # replay the known region, and run fused in the three steps after each compile.
+    assert m("region_replayed_ops") >= 8 * m("region_ops") // 12
+    assert m("region_compiles") == 2 and m("region_cache_hits") == 6
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_replay_matches_compiled_in_floats_and_lists():
+    # layer_norm's eps and shape, view's sizes, softmax's dim: compiled-in arguments the key holds
+    # frozen (floats by their bits, lists as tuples); a replayed call must match them as the key does.
+    x = torch.randn(3, 8).to("neuron")
+    ref = x.cpu()
+    for _ in range(6):
+        f = lambda t: torch.softmax(F.layer_norm(t * 2, (8,), eps=1e-3).view(6, 4), dim=-1).sum()  # noqa: E731
+        torchneuron.metrics.reset()
+        assert f(x).item() == pytest.approx(f(ref).item())
+    # The last step: every op replayed (the loop's step repeats the previous one).
+    assert m("region_replayed_ops") == m("region_ops") > 0
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_replay_sees_a_parameter_whose_data_was_replaced():
+    lin = torch.nn.Linear(4, 3, bias=False).to("neuron")
+    ref = torch.nn.Linear(4, 3, bias=False)
+    ref.load_state_dict({k: v.cpu() for k, v in lin.state_dict().items()})
+    x = torch.randn(2, 4)
+    for i in range(5):
+        if i == 3:   # same shape, new storage; then a new shape (PyTorch allows it through .data)
+            for mod in (lin, ref):
+                mod.weight.data = mod.weight.data * 0.5
+        if i == 4:
+            for mod in (lin, ref):
+                mod.weight.data = mod.weight.data[:2].clone()
+        torch.testing.assert_close(lin(x.to("neuron")).cpu(), ref(x))
+        if i == 1:
+            adaptive_mode.wait_for_compiles()
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_errors_surface_at_the_users_line_while_a_known_region_replays():
+    a = torch.ones(2, 3, device="neuron")
+    b = torch.ones(4, device="neuron")
+    for _ in range(3):
+        (a + 1).sum().item()
+        adaptive_mode.wait_for_compiles()
+    with pytest.raises(RuntimeError) as err:
+        c = a + 1
+        bad = c + b  # noqa: F841  <- replay predicts `c + a`-like ops; this one must fail here
+    frames = traceback.extract_tb(err.value.__traceback__)
+    assert "bad = c + b" in [f for f in frames if f.filename == __file__][-1].line
+    assert c.sum().item() == 12.0   # what was recorded before the error still runs
 
 
 @pytest.mark.usefixtures("adaptive")
@@ -157,6 +482,17 @@ def test_cnn_with_batchnorm_matches_cpu():
     assert_losses_match(cpu, neu)
 
 
+@contextlib.contextmanager
+def _adaptive_from_scratch(monkeypatch):
+    """Adaptive mode with no known region and fresh metrics; regions compile as soon as they repeat."""
+    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 1.0)
+    with torchneuron.eager_mode("adaptive"):
+        adaptive_mode.wait_for_compiles()
+        adaptive_mode.clear_region_cache()
+        torchneuron.metrics.reset()
+        yield
+
+
 def _dropout_stream():
     torch.manual_seed(123)
     x = torch.ones(64, device="neuron", requires_grad=True)
@@ -165,11 +501,36 @@ def _dropout_stream():
     return y.detach().cpu(), x.grad.cpu()
 
 
-def test_rng_streams_and_autograd_identical_to_plain():
+def test_rng_streams_and_autograd_identical_to_plain(monkeypatch):
     plain = _dropout_stream()
-    with torchneuron.eager_mode("adaptive"):
-        fused = _dropout_stream()
-    assert torch.equal(plain[0], fused[0]) and torch.equal(plain[1], fused[1])
+    with _adaptive_from_scratch(monkeypatch):
+        runs = [_dropout_stream()]                 # op by op
+        runs.append(_dropout_stream())
+        adaptive_mode.wait_for_compiles()
+        runs.append(_dropout_stream())             # fused, replayed
+    for fused in runs:
+        assert torch.equal(plain[0], fused[0]) and torch.equal(plain[1], fused[1])
+    assert m("region_cache_hits") == 1 and m("region_replayed_ops") >= 8
+
+
+def _generator_stream():
+    g = torch.Generator(device="neuron").manual_seed(7)
+    torch.manual_seed(3)
+    out = []
+    for i in range(4):
+        x = torch.ones(16, device="neuron")
+        out.append((torch.rand(16, device="neuron", generator=g) + x.normal_() * x.bernoulli_(0.5)).cpu())
+        if i == 1:
+            adaptive_mode.wait_for_compiles()
+    return out
+
+
+def test_replayed_random_ops_draw_from_their_generator_argument(monkeypatch):
+    plain = _generator_stream()
+    with _adaptive_from_scratch(monkeypatch):
+        fused = _generator_stream()
+    assert all(torch.equal(a, b) for a, b in zip(plain, fused))
+    assert m("region_cache_hits") >= 1 and m("region_replayed_ops") > 0
 
 
 def _memory_trace():
@@ -191,8 +552,12 @@ def _memory_trace():
     return trace
 
 
-def test_memory_statistics_identical_to_plain():
+def test_memory_statistics_identical_to_plain(monkeypatch):
     plain = _memory_trace()
-    with torchneuron.eager_mode("adaptive"):
-        fused = _memory_trace()
-    assert plain == fused == [4000, 8000, 4000, 4004, 0]
+    with _adaptive_from_scratch(monkeypatch):
+        runs = [_memory_trace(), _memory_trace()]
+        adaptive_mode.wait_for_compiles()
+        runs.append(_memory_trace())
+    assert m("region_cache_hits") >= 1
+    for fused in runs:
+        assert plain == fused == [4000, 8000, 4000, 4004, 0]

@@ -212,9 +212,16 @@ _EAGER_RUN = textwrap.dedent("""
         loss.backward()
         opt.step()
     drop = torch.nn.functional.dropout(torch.ones(64, device="neuron"), 0.5).sum()
+    # LAPACK-backed ops (XLA custom calls): a loaded executable must find its LAPACK routines.
+    a = torch.randn(6, 6)
+    spd = a @ a.T + 6 * torch.eye(6)
+    linalg = {"cholesky": lambda m: torch.linalg.cholesky(m), "qr": lambda m: torch.linalg.qr(m).R.abs(),
+              "eigvalsh": torch.linalg.eigvalsh, "solve": lambda m: torch.linalg.solve(m, m[:, :2]),
+              "svdvals": torch.linalg.svdvals}
+    linalg_err = max((f(spd.to("neuron")).cpu() - f(spd)).abs().max().item() for f in linalg.values())
     m = torchneuron.metrics()
     print("RESULT" + json.dumps({"compiled": m["executables_compiled"], "loaded": m["eager_cache_loads"],
-                                  "loss": loss.item(), "drop": drop.item()}))
+                                  "loss": loss.item(), "drop": drop.item(), "linalg_err": linalg_err}))
 """)
 
 
@@ -233,6 +240,7 @@ def test_second_process_loads_eager_executables_and_runs_them_correctly(tmp_path
     assert cold["compiled"] > 20 and cold["loaded"] == 0
     assert warm["compiled"] == 0 and warm["loaded"] == cold["compiled"]
     assert warm["loss"] == cold["loss"] and warm["drop"] == cold["drop"]   # same RNG stream too
+    assert cold["linalg_err"] < 1e-3 and warm["linalg_err"] == cold["linalg_err"]
     stored = list((tmp_path / "cache" / "eager").glob("*.tnexe"))
     assert len(stored) == cold["compiled"]
 

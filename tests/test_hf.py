@@ -221,6 +221,53 @@ def test_trainer_on_neuron_matches_cpu(tmp_path):
     assert torchneuron.metrics()["fallbacks"] == {}
 
 
+class _DropoutRegressor(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.drop, self.head = torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1)
+
+    def forward(self, x, labels=None):
+        y = self.head(self.drop(torch.relu(self.hidden(x)))).squeeze(-1)
+        return {"loss": (y - labels).square().mean(), "logits": y}
+
+
+class _RegressionDataset(torch.utils.data.Dataset):
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(16, 8, generator=g), torch.randn(16, generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+def _train_with_dropout(output_dir, max_steps, resume=None):
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(output_dir), max_steps=max_steps, save_steps=2,
+                             per_device_train_batch_size=4, learning_rate=0.1, lr_scheduler_type="constant",
+                             report_to=[], seed=0, disable_tqdm=True)
+    trainer = Trainer(model=_DropoutRegressor(), args=args, train_dataset=_RegressionDataset())
+    trainer.train(resume_from_checkpoint=resume)
+    assert args.device.type == "neuron"
+    return [p.detach().cpu() for p in trainer.model.parameters()]
+
+
+def test_trainer_resumed_from_a_checkpoint_continues_the_neuron_dropout_stream(tmp_path):
+    # Trainer checkpoints the RNG of the device types it names; neuron's is added to the same file,
+    # so a resumed run draws the dropout masks an uninterrupted run draws (it differed by ~0.2).
+    uninterrupted = _train_with_dropout(tmp_path / "full", 4)
+    _train_with_dropout(tmp_path / "split", 2)
+    checkpoint = tmp_path / "split" / "checkpoint-2"
+    assert "neuron" in torch.load(checkpoint / "rng_state.pth", weights_only=False)
+    resumed = _train_with_dropout(tmp_path / "split", 4, resume=str(checkpoint))
+    for got, want in zip(resumed, uninterrupted):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 # -- what transformers and accelerate ask of the device -------------------------------------------
 def test_transformers_and_accelerate_detect_neuron():
     from accelerate import PartialState

@@ -267,6 +267,27 @@ def test_failing_op_is_a_blocker_with_its_call_site(tmp_path):
     assert row["failed"] == 1 and row["path"] == "cpu" and "TORCHNEURON_FALLBACK" in row["error"]
 
 
+def test_adaptive_regions_that_keep_changing_are_reported(tmp_path, monkeypatch):
+    from torchneuron.eager import adaptive
+
+    monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 1.0)
+
+    adaptive.wait_for_compiles()
+    adaptive.clear_region_cache()
+    with torchneuron.eager_mode("adaptive"), torchneuron.check(str(tmp_path)) as chk:
+        for block in range(10):   # four new shapes for each one that repeats
+            for n in (5 * block + 1, 5 * block + 2, 5 * block + 3, 5 * block + 4, 5 * block + 1):
+                (torch.ones(n).to("neuron") * 2).sum().item()
+            torchneuron.step()
+    adaptive.wait_for_compiles()
+    a = chk.report["compilation"]["adaptive"]
+    assert a["regions"] == 50 and a["unfused_runs"]["first sighting"] == 40
+    assert a["unfused_runs"]["regions keep changing"] >= 3
+    assert "adaptive_regions_change" in [f["kind"] for f in chk.findings]
+    md = pathlib.Path(chk.files["md"]).read_text()
+    assert "Adaptive eager regions" in md and "regions keep changing" in md
+
+
 # -- the runner (in this process): budgets and script errors --------------------------------------------
 def _run_runner(tmp_path, monkeypatch, source, **spec):
     script = tmp_path / "script.py"

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import torchneuron
 
-pytestmark = pytest.mark.usefixtures("strict_fallback")
+pytestmark = pytest.mark.usefixtures("strict_fallback", "both_eager_modes")
 
 STEPS = 20
 

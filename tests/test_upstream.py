@@ -62,6 +62,52 @@ def test_the_project_expectations_file_is_valid():
             assert entry["reason"].strip() and not entry["reason"].startswith("TODO"), (file, pattern)
 
 
+def test_a_later_collection_supersedes_a_collection_error():
+    exp = upstream.Expectations(None)
+    recs = {"<collection>": {"id": "<collection>", "status": "error", "message": "ImportError"},
+            "T.test_a": {"id": "T.test_a", "status": "passed", "message": ""}}
+    per_file, details, _, _ = upstream.summarize({"f.py": recs}, exp)
+    assert per_file["f.py"]["collection-error"] == 1 and details["failed"]
+    recs["<collection>"] = {"id": "<collection>", "status": "collected"}
+    per_file, details, _, _ = upstream.summarize({"f.py": recs}, exp)
+    assert per_file["f.py"]["collection-error"] == 0 and not details["failed"]
+    assert upstream.complete_files({"f.py": recs}, {"f.py": 1}) == {"f.py"}
+    assert upstream.complete_files({"f.py": recs}, {"f.py": 2}) == set()
+
+
+def test_compats_let_older_files_load_under_the_pinned_torch():
+    """Names and idioms of the obtained files' revisions that torch 2.13 changed."""
+    import torch
+    from torch.testing._internal import common_cuda, common_methods_invocations, common_utils
+    upstream._install_compat()
+    assert common_methods_invocations.binary_ufuncs_and_refs is common_methods_invocations.binary_ufuncs
+    assert common_utils.skipIfMps is common_utils.skipIfMPS
+    assert callable(common_cuda.tf32_is_not_fp32)
+
+    def test_bare(self):
+        return 1
+    assert common_utils.skipIfTorchDynamo(test_bare)(None) is None     # a bare decorator
+    assert callable(common_utils.skipIfTorchDynamo("why")(test_bare))
+
+    class TestLinalg(common_utils.TestCase):
+        def setUp(self):
+            super(self.__class__, self).setUp()     # test_linalg's idiom
+
+    class Device(TestLinalg):                       # what instantiate_device_type_tests builds
+        def test_x(self):
+            pass
+
+    module = type(sys)("m")
+    module.TestLinalgCPU = Device                   # the generic class is not in the module
+    upstream._fix_super_self_class(module, "TestLinalg")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    case = Device("test_x")
+    case.setUp()                                    # recursed forever before
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+    case.tearDown()
+    assert torch.backends.cuda.matmul.allow_tf32 is True
+
+
 FAKE = '''
 import os, time, torch
 from torch.testing._internal.common_device_type import instantiate_device_type_tests
@@ -129,12 +175,22 @@ def test_runner_records_crashes_and_timeouts_and_resumes(fake_tests, tmp_path):
     assert "test_wrong" not in r.stdout
     md = out.read_text()
     assert "| test_fake.py | 6 | 6 | 3 | 0 |" in md   # tests, results, passed, failed outside expectations
+    assert [ln for ln in md.splitlines() if ln.startswith("| test_fake.py |")][0].endswith("| complete |")
     # Resuming runs nothing again (no worker starts: a second crash would be recorded twice).
     r2 = _run("--tests-dir", str(tests_dir), "--files", "test_fake.py", "--results", str(results),
               "--expectations", str(exp), "--output", str(out), "--timeout", "15")
     lines = (results / "neuron" / "test_fake.py.jsonl").read_text().splitlines()
     assert len(lines) == 6, lines
     assert r2.returncode == 1
+    # --rerun runs chosen tests again (once each: the crash is not retried forever); the new
+    # results replace the old.
+    r3 = _run("--tests-dir", str(tests_dir), "--files", "test_fake.py", "--results", str(results),
+              "--expectations", str(exp), "--output", str(out), "--timeout", "15",
+              "--rerun", "TestFake.test_wrong,TestFake.test_cr*")
+    assert "running 2 tests again" in r3.stdout, r3.stdout
+    lines = (results / "neuron" / "test_fake.py.jsonl").read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines[6:]] == ["TestFake.test_crash", "TestFake.test_wrong"] \
+        or [json.loads(line)["id"] for line in lines[6:]] == ["TestFake.test_wrong", "TestFake.test_crash"], lines
 
 
 def test_runner_refuses_a_file_whose_hash_does_not_match(fake_tests, tmp_path):

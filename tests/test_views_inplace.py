@@ -5,7 +5,7 @@ import torch
 
 from conftest import assert_same
 
-pytestmark = pytest.mark.usefixtures("strict_fallback")
+pytestmark = pytest.mark.usefixtures("strict_fallback", "both_eager_modes")
 
 
 def pair(*shape, dtype=torch.float32):

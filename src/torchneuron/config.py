@@ -28,7 +28,9 @@ def _default_cache_dir() -> str:
 
 
 # Integer settings and their smallest value.
-_MINIMUM = {"adaptive_max_ops": 1}
+_MINIMUM = {"adaptive_max_ops": 1, "adaptive_segment_ops": 1, "adaptive_compile_after": 1}
+# Real-valued settings and their smallest value.
+_FLOAT_MINIMUM = {"adaptive_compile_budget": 0.0}
 # Settings that are on or off.
 _BOOL_FIELDS = {"cpu_async_dispatch"}
 # Choices compared without case or surrounding blanks.
@@ -65,8 +67,16 @@ class Config:
     float64: str = "downcast"
     # Eager execution mode: one executable per op, or adaptive fusion of pending ops.
     eager_mode: str = "plain"
-    # Largest number of ops an adaptive-eager region records before it is flushed.
-    adaptive_max_ops: int = 512
+    # Largest number of ops an adaptive-eager region records before it is cut (a safety net: regions
+    # are cut at backward passes, optimizer steps and host reads).
+    adaptive_max_ops: int = 4096
+    # Most ops compiled into one fused adaptive-eager executable; longer regions are split.
+    adaptive_segment_ops: int = 256
+    # How many times a region must occur before its fused executable is compiled (in the background).
+    adaptive_compile_after: int = 2
+    # Largest share of the time adaptive mode is on that background region compiles may take
+    # (1 or more: no limit). Compiles wait until the program has run long enough to afford them.
+    adaptive_compile_budget: float = 0.1
     # torch.compile: an op without a lowering fails the compile, or the graph runs eagerly.
     compile_fallback: str = "error"
     # PyTorch's checks that depend on tensor values (index bounds, integer division by zero): read
@@ -114,6 +124,12 @@ class Config:
                 except ValueError:
                     raise ValueError(f"torchneuron: {_variable(f.name)}={raw!r} is not an integer "
                                      f"(config.{f.name}; default {f.default})") from None
+            elif f.name in _FLOAT_MINIMUM:
+                try:
+                    value = float(raw.strip())
+                except ValueError:
+                    raise ValueError(f"torchneuron: {_variable(f.name)}={raw!r} is not a number "
+                                     f"(config.{f.name}; default {f.default})") from None
             elif f.name in _BOOL_FIELDS:
                 value = _BOOLS.get(raw.strip().lower())
                 if value is None:
@@ -140,6 +156,12 @@ def _validated(name: str, value):
         if not isinstance(value, bool):
             raise TypeError(f"torchneuron: {where} must be True or False, got {value!r}")
         return value
+    if name in _FLOAT_MINIMUM:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"torchneuron: {where} must be a number, got {value!r}")
+        if not value >= _FLOAT_MINIMUM[name]:
+            raise ValueError(f"torchneuron: {where} must be at least {_FLOAT_MINIMUM[name]}, got {value}")
+        return float(value)
     if name in _MINIMUM:
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"torchneuron: {where} must be an integer, got {value!r}")

@@ -54,9 +54,13 @@ class _Registry:
         # adaptive eager
         self.regions_flushed = 0
         self.region_ops = 0
-        self.region_cache_hits = 0
-        self.region_compiles = 0
-        self.flush_reasons = Counter()
+        self.region_replayed_ops = 0       # of those, ops checked against a known region (fast path)
+        self.region_cache_hits = 0         # region segments run as one fused executable
+        self.region_compiles = 0           # fused executables compiled (in the background)
+        self.region_compile_seconds = 0.0
+        self.region_unfused = Counter()    # reason -> region segments run op by op
+        self.region_splits = 0             # regions too long for one fused executable
+        self.flush_reasons = Counter()     # where regions were cut
         # distributed
         self.collectives = Counter()
         self.collective_bytes = 0
@@ -91,6 +95,12 @@ class _Registry:
                          f"{sum(s['custom_kernel_compiles'].values())} compiles")
         if s["float64_downcasts"]:
             lines.append(f"float64 downcasts    : {dict(s['float64_downcasts'])}")
+        if s["regions_flushed"]:
+            unfused = ", ".join(f"{reason} {n}" for reason, n in s["region_unfused"].items())
+            lines.append(f"adaptive regions     : {s['regions_flushed']} ({s['region_ops']} ops, "
+                         f"{s['region_replayed_ops']} replayed), {s['region_cache_hits']} fused runs, "
+                         f"{s['region_compiles']} compiled ({s['region_compile_seconds']:.2f} s)"
+                         + (f"; op by op: {unfused}" if unfused else ""))
         if s["graphs_compiled"] or s["graph_breaks"] or s["recompiles"]:
             lines.append(f"compiled graphs      : {s['graphs_compiled']}, graph breaks "
                          f"{sum(s['graph_breaks'].values())}, recompiles {sum(s['recompiles'].values())}")

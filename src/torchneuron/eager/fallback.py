@@ -33,6 +33,10 @@ _warned: set[str] = set()
 _SKIP_DECOMPOSITION = {
     "aten::_to_copy", "aten::copy_", "aten::lift_fresh", "aten::item", "aten::_local_scalar_dense",
 }
+# ATen's kernels for these resize ``out`` only when its element count differs from the result's: an
+# ``out`` of another shape (a (2, 2) view for 4 steps) keeps its shape and is filled in its element
+# order. PyTorch's Python references resize it to the result's shape, which rewrites a view's layout.
+_KEEP_OUT_SHAPE = {"aten::linspace.out", "aten::logspace.out", "aten::arange.out", "aten::arange.start_out"}
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -84,6 +88,8 @@ def neuron_fallback(op, *args, **kwargs):
 
 def _neuron_fallback(op, *args, **kwargs):
     name = op.name()
+    if name in _KEEP_OUT_SHAPE and op in decomposition_table and op not in _active():
+        return _keep_out_shape(op, args, kwargs)
     if name not in _SKIP_DECOMPOSITION:
         decomp = decomposition_table.get(op)
         active = _active()
@@ -142,6 +148,25 @@ def _check_written_devices(op, args, kwargs, device) -> None:
     otherwise write a CPU out= tensor directly and hide the transfer."""
     sig = _signature(op)
     check_out_devices([t for _, _, t in sig.mutated_tensors(sig.bind(args, kwargs, missing=None))], device)
+
+
+def _keep_out_shape(op, args, kwargs):
+    """The op's decomposition into a fresh empty ``out`` (which it may resize freely), then written
+    into the caller's in its own shape when the element counts match (ATen's rule for these ops)."""
+    (name,) = out_names(op)
+    kwargs = dict(kwargs)
+    out = kwargs.pop(name)
+    metrics.decompositions[op.name().split("::", 1)[1]] += 1
+    active = _active()
+    active.add(op)
+    try:
+        value = decomposition_table[op](*args, **kwargs, **{name: out.new_empty(0)})
+    finally:
+        active.discard(op)
+    if out.numel() == value.numel():
+        value = value.reshape(out.shape)
+    write_out(out, value, op.name())
+    return out
 
 
 def cpu_fallback(op, args, kwargs):

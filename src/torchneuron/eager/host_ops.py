@@ -7,6 +7,8 @@ the host and uploaded. Every such read is counted as a device->host copy.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -34,6 +36,9 @@ def _device_indices(self, indices):
     live on the CPU: a CPU mask is read where it is (no device round trip), a CPU index moves."""
     out = []
     for idx in indices:
+        if idx is not None and idx.dtype == torch.uint8:
+            warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool "
+                          "instead.", UserWarning, stacklevel=3)   # ATen's warning
         if idx is None:
             out.append(None)
         elif idx.dtype in (torch.bool, torch.uint8):

@@ -33,8 +33,8 @@ from jax._src import config as jax_config
 
 from ..config import config, observe
 from ..metrics import metrics
-from ..ops import checks
-from ..ops.registry import NotImplementedForDtype
+from ..ops import checks, cpu_dtypes
+from ..ops.registry import InvalidArguments, NotImplementedForDtype
 from ..ops.signature import (
     OPT_SCALAR,
     OPT_TENSOR,
@@ -81,6 +81,8 @@ class Executable:
 
 # The adaptive-eager recorder while that mode is on (see eager/adaptive.py), else None.
 recorder = None
+# What the recorder's replay returns for a call it leaves to the full path.
+NOT_REPLAYED = object()
 
 
 _cache: dict = {}
@@ -126,6 +128,12 @@ class Kernel(OpSignature):
     # -- the hot path ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         metrics.op_calls[self.short_name] += 1
+        rec = recorder
+        if rec is not None:   # adaptive eager replaying a known op sequence: no key to build
+            out = rec.replay(self, args, kwargs)
+            if out is not NOT_REPLAYED:
+                return out
+        # OpSignature.bind, inlined: a method call here would cost every op.
         values = list(args)
         if len(values) < self.nargs:
             values.extend(self.defaults[len(values):])
@@ -217,18 +225,22 @@ class Kernel(OpSignature):
     def _plan(self, values, specs, ctx):
         """Shapes, dtypes and the traced body of this call's executable (not compiled yet)."""
         meta_out = self._run_meta(values)
+        # After PyTorch's meta checks, as on CPU (shape errors first, then the kernel's dtypes).
+        cpu_dtypes.check(self, values, _describe)
         try:
             self.check_dtypes(values)
         except RuntimeError as err:
             raise RuntimeError(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
         new_meta = self.new_output_metas(meta_out)
+        layouts = self.lowering.output_strides and self.lowering.output_strides(new_meta, values)
         out_specs = []
-        for m in new_meta:
+        for i, m in enumerate(new_meta):
             if m is None:      # an output the caller masked off (backward ops' output_mask)
                 out_specs.append(None)
                 continue
             dtype = device_dtype(m.dtype, self.short_name)
-            sizes, strides = tuple(m.shape), tuple(m.stride())
+            sizes = tuple(m.shape)
+            strides = tuple(layouts[i] if layouts and layouts[i] is not None else m.stride())
             if not layout.is_dense(sizes, strides):
                 strides = memory.contiguous_strides(sizes)
             out_specs.append((dtype, sizes, strides))
@@ -329,17 +341,11 @@ class Kernel(OpSignature):
         with jax_config.enable_compilation_cache(False):
             try:
                 results = jitted(*bufs, *runtime)
-            except NotImplementedForDtype as err:
-                # A lowering rejecting a dtype as ATen's kernels do (ops.numerics.require_floating).
-                raise NotImplementedForDtype(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
             except Exception as err:
                 cpu = self._cpu_error(values)   # a check only the CPU kernel makes (max() of nothing)
                 if cpu is not None:
                     raise cpu from None
-                error = self.compile_error(values, err)
-                if error is err:
-                    raise
-                raise error from err
+                self.raise_call_error(values, err)
             if name is not None:
                 # The executable jit just compiled (its lowering and compile are cached in memory).
                 executable_store.store("eager", name, lambda: jitted.lower(*bufs, *runtime).compile(),
@@ -350,6 +356,19 @@ class Kernel(OpSignature):
         metrics.eager_compiles[exe.reason] += 1
         exe.call = jitted
         return results
+
+    def raise_call_error(self, values, err):
+        """Raise what the user sees when tracing or compiling this call's executable failed."""
+        if isinstance(err, NotImplementedForDtype):
+            # A lowering rejecting a dtype as ATen's kernels do (ops.numerics.require_floating).
+            raise NotImplementedForDtype(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
+        if isinstance(err, InvalidArguments):
+            # A lowering rejecting an argument as ATen's kernel does: PyTorch's RuntimeError.
+            raise RuntimeError(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
+        error = self.compile_error(values, err)
+        if error is err:
+            raise err
+        raise error from err
 
     def compile_error(self, values, err) -> Exception:
         """The error to raise when tracing or compiling this call's executable fails."""
@@ -371,13 +390,15 @@ class Kernel(OpSignature):
                 return self.overload(*pos, **kw)
         except NotImplementedError:
             return self._shape_from_lowering(values)
-        except (RuntimeError, IndexError, ValueError, TypeError) as err:
+        except (RuntimeError, IndexError, ValueError, TypeError, AssertionError) as err:
             # PyTorch's own shape/dtype check failed. Some meta kernels are Python references that
             # raise another type or text than the CPU kernel: CPU's error wins where it has one.
             cpu = self._cpu_error(values)
             if cpu is not None:
                 raise cpu from None
-            raise type(err)(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
+            # A meta kernel's AssertionError is a TORCH_CHECK in ATen's kernel: a RuntimeError.
+            cls = RuntimeError if isinstance(err, AssertionError) else type(err)
+            raise cls(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
 
     def _shape_from_lowering(self, values):
         # No meta kernel: ask JAX for the output shapes of the lowering itself.

@@ -105,11 +105,13 @@ def _kernel_table() -> dict:
     table["_copy_from.default"] = storage_ops.copy_from
     table["_local_scalar_dense.default"] = storage_ops.local_scalar_dense
     table["resize_.default"] = storage_ops.resize_
+    table["_lazy_clone.default"] = storage_ops.lazy_clone
     for name in _METADATA_OPS:
         table[name] = _redispatch_cpu(aten_overload(name))
     for name, read in _MATH_BIT_FALLTHROUGH.items():
         if name in table:
             table[name] = _resolving_math_bits(table[name], read)
+    table["copy_.default"] = _copy_with_math_bits(table["copy_.default"])
     return table
 
 
@@ -117,7 +119,7 @@ def _kernel_table() -> dict:
 # on an input (CPU and CUDA fold it into the BLAS call); neuron reads raw storages, so it
 # materialises such inputs first. Checking the bits costs ~1 us per tensor, so only these pay it.
 _MATH_BIT_FALLTHROUGH = {   # op -> positions of the tensors it reads
-    "copy_.default": (1,), "_copy_from.default": (0,), "clone.default": (0,), "mm.default": (0, 1),
+    "_copy_from.default": (0,), "clone.default": (0,), "mm.default": (0, 1),
     "bmm.default": (0, 1), "dot.default": (0, 1), "vdot.default": (0, 1), "addmm.default": (0, 1, 2),
     "addmm_.default": (0, 1, 2), "baddbmm.default": (0, 1, 2), "baddbmm_.default": (0, 1, 2),
     "linalg_solve_triangular.default": (0, 1),
@@ -127,19 +129,51 @@ _MATH_BIT_FALLTHROUGH = {   # op -> positions of the tensors it reads
 def _resolve_bits(v):
     if isinstance(v, torch.Tensor):
         # Not resolve_conj(): it copies through copy_, which is one of these kernels.
-        if v.is_conj():
-            v = _kernels["_conj_physical.default"](v.conj())   # conj() of a conj view clears the bit
-        if v.is_neg():
-            v = _kernels["neg.default"](v._neg_view())
+        conj, neg = v.is_conj(), v.is_neg()
+        # Clear both bits first (conj() of a conj view and _neg_view() of a neg view toggle them
+        # off): a kernel reads the stored values, whatever bit is still set on its input.
+        if conj:
+            v = v.conj()
+        if neg:
+            v = v._neg_view()
+        if conj:
+            v = _kernels["_conj_physical.default"](v)
+        if neg:
+            v = _kernels["neg.default"](v)
     return v
 
 
 def _resolving_math_bits(kernel, read):
     def resolved(*args, **kwargs):
-        if any(i < len(args) and _has_bits(args[i]) for i in read):
-            args = [_resolve_bits(a) if i in read else a for i, a in enumerate(args)]
+        for i in read:   # a loop, not any(<generator>): this runs on every matmul
+            if i < len(args) and _has_bits(args[i]):
+                args = [_resolve_bits(a) if i in read else a for i, a in enumerate(args)]
+                break
         return kernel(*args, **kwargs)
     return resolved
+
+
+def _copy_with_math_bits(copy_kernel):
+    """``copy_`` reads a source's lazy conj/neg bits (as the other ops of _MATH_BIT_FALLTHROUGH),
+    and into a destination with such a bit stores conj(src)/-src, so that it reads back src:
+    PyTorch's math-bit fallbacks run an in-place op on such a tensor (``x.conj().triu_()``) on a
+    resolved copy and write the result back with this ``copy_``."""
+    def copy_(self, src, non_blocking=False):
+        if not (self.is_conj() or self.is_neg()):
+            if src.is_conj() or src.is_neg():
+                src = _resolve_bits(src)
+            return copy_kernel(self, src, non_blocking)
+        conj, neg = self.is_conj(), self.is_neg()
+        plain = self.conj() if conj else self          # the same storage, bits cleared
+        plain = plain._neg_view() if neg else plain
+        src = _resolve_bits(src.to(self.device, self.dtype))
+        if conj:
+            src = _kernels["_conj_physical.default"](src)
+        if neg:
+            src = _kernels["neg.default"](src)
+        copy_kernel(plain, src, non_blocking)
+        return self
+    return copy_
 
 
 def _has_bits(v):

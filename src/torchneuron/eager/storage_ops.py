@@ -56,13 +56,16 @@ def resize_(self, size, memory_format=None):
         raise RuntimeError("numel: integer multiplication overflow")
     needed = (self.storage_offset() + numel) * self.element_size()
     if needed > self.untyped_storage().nbytes():
-        # Grow: a new storage that keeps the old bytes as its prefix, as PyTorch does.
-        old = transfers.device_array(self.view(-1)) if self.numel() else None
+        # Grow: a new storage that keeps the whole old storage as its prefix, as PyTorch does (not
+        # only this tensor's elements: a view may be resized, and its storage holds other data).
+        old_numel = self.untyped_storage().nbytes() // self.element_size()
         fresh = memory.allocator.new_tensor((self.storage_offset() + numel,), (1,), self.dtype,
                                             self.device.index or 0)
-        if old is not None:
+        if old_numel:
+            old = torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+                _CPU, self.new_empty(0), self.untyped_storage(), 0, (old_numel,), (1,))
             with torch.no_grad():
-                fresh[self.storage_offset(): self.storage_offset() + self.numel()].copy_(self.view(-1))
+                fresh[:old_numel].copy_(old)
         torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
             _CPU, self, fresh.untyped_storage(), self.storage_offset(), size,
             memory.contiguous_strides(size))
@@ -149,3 +152,10 @@ def local_scalar_dense(t: torch.Tensor):
 def copy_from(self, dst, non_blocking=False):
     """``aten::_copy_from(self, dst)``: ``dst.copy_(self)``."""
     return copy_(dst, self, non_blocking)
+
+
+def lazy_clone(self: torch.Tensor) -> torch.Tensor:
+    """``torch._lazy_clone``: copy-on-write shares the allocation until a write, which needs a storage
+    whose data pointer is the allocation itself; a neuron storage is a DLPack capsule (ATen refuses
+    with "Expected storage != nullptr"). An eager copy gives the same values and independence."""
+    return torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device=self.device).copy_(self)

@@ -8,11 +8,17 @@ kind of backend under another name, so those two probes are answered from the re
 ``neuron`` is the PrivateUse1 backend and ``torch.neuron.is_available()``. Nothing else in either
 library is changed; everything else they ask of a device goes through the standard PyTorch APIs
 (``torch.accelerator``, the ``torch.neuron`` device module, ``torch.autocast``).
+
+One exception: ``Trainer`` checkpoints the RNG of each device type it knows by name (CUDA, XLA,
+NPU, ...), not through a generic API, so a run resumed from a checkpoint drew fresh dropout masks
+on neuron. Its ``_save_rng_state`` / ``_load_rng_state`` also write and restore the neuron
+generators, under the key ``"neuron"`` of the same ``rng_state*.pth`` file.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import torch
@@ -56,6 +62,56 @@ def _patch(module, name: str) -> None:
             setattr(mod, name, replacement)
 
 
+def _rng_file(trainer, directory: str) -> str:
+    # The file name Trainer itself uses.
+    name = "rng_state.pth" if trainer.args.world_size <= 1 else f"rng_state_{trainer.args.process_index}.pth"
+    return os.path.join(directory, name)
+
+
+def _neuron_rng_state(trainer):
+    distributed = trainer.args.parallel_mode.name == "DISTRIBUTED"
+    return torch.neuron.get_rng_state_all() if distributed else torch.neuron.get_rng_state()
+
+
+def _set_neuron_rng_state(trainer, state) -> None:
+    if isinstance(state, list | tuple):
+        torch.neuron.set_rng_state_all(state)
+    else:
+        torch.neuron.set_rng_state(state)
+
+
+def _with_neuron_rng(trainer_module) -> None:
+    trainer_cls = getattr(trainer_module, "Trainer", None)
+    if trainer_cls is None or hasattr(trainer_cls._save_rng_state, "__torchneuron_rng__"):
+        return
+    save, load = trainer_cls._save_rng_state, trainer_cls._load_rng_state
+
+    @functools.wraps(save)
+    def save_rng_state(self, output_dir):
+        save(self, output_dir)
+        path = _rng_file(self, output_dir)
+        if neuron_device_available() and os.path.isfile(path):
+            states = torch.load(path, weights_only=False)   # the file this process just wrote
+            states["neuron"] = _neuron_rng_state(self)
+            torch.save(states, path)
+
+    @functools.wraps(load)
+    def load_rng_state(self, checkpoint):
+        load(self, checkpoint)
+        if checkpoint is None or not neuron_device_available():
+            return
+        path = _rng_file(self, checkpoint)
+        if os.path.isfile(path):
+            # Trainer has just read the same file with its own safety checks.
+            state = torch.load(path, weights_only=False).get("neuron")
+            if state is not None:
+                _set_neuron_rng_state(self, state)
+
+    save_rng_state.__torchneuron_rng__ = load_rng_state.__torchneuron_rng__ = True
+    trainer_cls._save_rng_state, trainer_cls._load_rng_state = save_rng_state, load_rng_state
+
+
 def install() -> None:
     for module_name, probe in _PROBES.items():
         when_imported(module_name, functools.partial(_patch, name=probe))
+    when_imported("transformers.trainer", _with_neuron_rng)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from . import checks
 from .checks import index_in_range, out_of_bounds
 from .numerics import compute_dtype, highest, lowest
-from .registry import lowering
+from .registry import InvalidArguments, lowering
 
 _OUT_OF_RANGE = "index out of range in self"
 
@@ -179,11 +179,32 @@ def _dim_index(ndim, dim, index):
     return (slice(None),) * dim + (index,)
 
 
+def _check_index_func(func, self, dim, index, source):
+    """ATen's checks of index_add/index_reduce's shapes that PyTorch's meta kernel leaves to the CPU
+    kernel, in its words; then the 0-dim forms (index, source, self) as one-entry vectors."""
+    dim = dim % max(self.ndim, 1)
+    if not (dim == 0 or dim < source.ndim):
+        raise InvalidArguments(f"{func}_(): Indexing dim {dim} is out of bounds of the source tensor "
+                               f"with dim {source.ndim}")
+    n = 1 if source.ndim == 0 else source.shape[dim]
+    if index.size != n:
+        raise InvalidArguments(f"{func}_(): Number of indices ({index.size}) should be equal to "
+                               f"source.size(dim): ({n}), for dim: {dim}")
+    self_sizes, source_sizes = list(self.shape), list(source.shape)
+    if self.ndim and source.ndim:
+        del self_sizes[dim], source_sizes[dim]
+    if self_sizes != source_sizes:
+        raise InvalidArguments("source tensor shape must match self tensor shape, excluding the specified "
+                               f"dimension. Got self.shape = {list(self.shape)} source.shape = {list(source.shape)}")
+    return index.reshape(-1), source.reshape(source.shape or (1,))
+
+
 @lowering("index_add.default", promote="result", promote_args=("self", "source"),
           same_dtype=("self", "source", "index_add_(): self ({self}) and source ({source}) must have the same scalar type"))
 def index_add(self, dim, index, source, *, alpha=1):
+    index, source = _check_index_func("index_add", self, dim, index, source)
     if self.ndim == 0:
-        return index_add(self.reshape(1), 0, index.reshape(-1), source.reshape(-1), alpha=alpha).reshape(())
+        return index_add(self.reshape(1), 0, index, source, alpha=alpha).reshape(())
     scaled = jnp.logical_and(source, alpha) if self.dtype == jnp.bool_ else source * alpha
     dim = dim % self.ndim
     _check_nonnegative(index, self.shape[dim], dim)
@@ -198,13 +219,21 @@ def index_copy(self, dim, index, source):
         _check_nonnegative(index, 1, 0, IndexError, "index_copy_(): " + out_of_bounds(0, 1))
         return source.reshape(())
     dim = dim % self.ndim
+    # A 0-dim index (and source) stand for one entry along dim, as in ATen.
+    index = index.reshape(-1)
+    if source.ndim == 0:
+        source = source.reshape((1,) * self.ndim)
     _check_nonnegative(index, self.shape[dim], dim, IndexError,
                        "index_copy_(): " + out_of_bounds(dim, self.shape[dim]))
     return self.at[_dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))].set(source)
 
 
-@lowering("index_fill.int_Scalar", "index_fill.int_Tensor", promote="result", promote_args=("self", "value"))
+@lowering("index_fill.int_Scalar", "index_fill.int_Tensor")
 def index_fill(self, dim, index, value):
+    # The value is cast here, after ATen's check (promotion would have dropped its imaginary part).
+    if jnp.iscomplexobj(value) and not jnp.iscomplexobj(self):
+        raise InvalidArguments("index_fill_(): Converting complex Scalar to non-complex type is not supported")
+    value = value.astype(self.dtype)
     if self.ndim == 0:
         index_in_range(index, 1, out_of_bounds(0, 1))
         return jnp.asarray(value, self.dtype).reshape(())
@@ -293,9 +322,9 @@ def nonzero_static(self, *, size, fill_value=-1):
 @lowering("index_reduce.default", promote="result", promote_args=("self", "source"),
           same_dtype=("self", "source", "index_reduce_(): self ({self}) and source ({source}) must have the same scalar type"))
 def index_reduce(self, dim, index, source, reduce, *, include_self=True):
+    index, source = _check_index_func("index_reduce", self, dim, index, source)
     if self.ndim == 0:
-        self, source = self.reshape(1), source.reshape(1)
-        return index_reduce(self, 0, index, source, reduce, include_self=include_self).reshape(())
+        return index_reduce(self.reshape(1), 0, index, source, reduce, include_self=include_self).reshape(())
     dim = dim % self.ndim
     index_in_range(index, self.shape[dim], _OUT_OF_RANGE, negative=False)
     idx = _dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))

@@ -63,12 +63,24 @@ def expand_param(v, n):
 
 @lowering("convolution.default", promote="common", promote_args=("input", "weight", "bias"))
 def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    return _conv(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+    out = _conv(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+    if input.shape[1] == 0:
+        # ATen's "empty" convolution backend: an input without channels gives a result without
+        # channels (whatever the weight's), as PyTorch's meta kernel says too.
+        out = out[:, :0]
+    return out
 
 
 @lowering("convolution_backward.default")
 def convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
                          output_padding, groups, output_mask):
+    if input.shape[1] == 0:
+        # An input without channels gives a result without channels (see convolution): nothing
+        # flows back to the input, the weight or the bias.
+        return (jnp.zeros(input.shape, input.dtype) if output_mask[0] else None,
+                jnp.zeros(weight.shape, weight.dtype) if output_mask[1] else None,
+                jnp.zeros(tuple(bias_sizes), grad_output.dtype) if output_mask[2] and bias_sizes else None)
+
     def f(x, w):
         return _conv(x, w, None, stride, padding, dilation, transposed, output_padding, groups)
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 from jax import lax
 
 from .nn import expand_param
 from .numerics import compute_dtype, lowest, require_floating
-from .registry import lowering
+from .registry import InvalidArguments, lowering
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -91,7 +92,20 @@ def max_pool2d_with_indices(self, kernel_size, stride=(), padding=(0,), dilation
     return _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, 2)
 
 
-@lowering("max_pool3d_with_indices.default")
+def _unbatched_channels_last_3d(metas, values):
+    """ATen's CPU kernel pools an unbatched (C, D, H, W) input that is a channels_last_3d batch of
+    one with its batch dim squeezed into the same layout; PyTorch's meta kernel says contiguous."""
+    x = values[0]
+    if x.dim() != 4:
+        return None
+    batch = torch.empty_strided(x.shape, x.stride(), device="meta").unsqueeze(0)
+    if batch.is_contiguous() or not batch.is_contiguous(memory_format=torch.channels_last_3d):
+        return None
+    return [torch.empty((1, *m.shape), device="meta", memory_format=torch.channels_last_3d).stride()[1:]
+            for m in metas]
+
+
+@lowering("max_pool3d_with_indices.default", output_strides=_unbatched_channels_last_3d)
 def max_pool3d_with_indices(self, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
     return _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, 3)
 
@@ -320,13 +334,26 @@ def _intervals(sample, in_size, out_size, pool):
     return jnp.full(sample.shape + (1,), in_size - pool, jnp.int64)
 
 
+def _check_samples(x, samples, nd):
+    """ATen's checks of ``_random_samples``, in its order and words (the 2-D meta kernel makes them
+    too; the 3-D one leaves them to the CPU kernel). ATen reads samples[n, c] for batch rows n < N:
+    an unbatched input takes (1, C, nd) samples too, and rows past N are ignored."""
+    if samples.dtype != x.dtype:
+        raise InvalidArguments("Expect _random_samples to have the same dtype as input")
+    if samples.ndim != 3:
+        raise InvalidArguments(f"Expect _random_samples to have 3 dimensions, got {samples.ndim}")
+    if samples.shape[0] < x.shape[0]:
+        raise InvalidArguments("Expect _random_samples.size(0) no less then input batch size.")
+    if samples.shape[1] != x.shape[1]:
+        raise InvalidArguments("Expect _random_samples.size(1) equals to input channel size.")
+    if samples.shape[2] != nd:
+        raise InvalidArguments(f"Expect _random_samples.size(2) equals to {nd}; got {samples.shape[2]}.")
+
+
 def _fractional_max(self, kernel_size, output_size, random_samples, nd):
     batched = self.ndim == nd + 2
     x = self if batched else self[None]
-    # ATen reads samples[n, c] for batch rows n < N: an unbatched input takes (1, C, nd) samples
-    # too, and rows past N are ignored.
-    if random_samples.shape[0] < x.shape[0]:
-        raise RuntimeError("Expect _random_samples.size(0) no less then input batch size.")
+    _check_samples(x, random_samples, nd)
     samples = random_samples[:x.shape[0]].astype(compute_dtype(x.dtype))
     starts, sizes = [], []
     # Which sample drives which dim, as ATen reads them: 2-D takes (W, H), 3-D takes (T, H, W).

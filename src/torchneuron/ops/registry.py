@@ -50,6 +50,9 @@ class Lowering:
     # Two tensor arguments that must have the same dtype (CPU checks it, meta kernels do not), and
     # CPU's message, formatted with each argument's c10 dtype name: ("self", "source", "... {self}").
     same_dtype: tuple[str, str, str] | None = None
+    # Where ATen's CPU kernel lays its outputs out otherwise than PyTorch's meta kernel says:
+    # ``fn(output_metas, bound_values)`` -> one strides tuple per output (None: meta's), or None.
+    output_strides: Callable | None = None
 
 
 class NotImplementedForDtype(NotImplementedError):
@@ -58,12 +61,19 @@ class NotImplementedForDtype(NotImplementedError):
     on as PyTorch's own error instead of computing something no CPU result can be checked against."""
 
 
+class InvalidArguments(RuntimeError):
+    """Raised by a lowering, while it is traced, for arguments ATen's CPU kernel rejects with a
+    check PyTorch's meta kernel does not make (fractional_max_pool3d's ``_random_samples``): the
+    caller passes it on as PyTorch's error, not as a failure to compile."""
+
+
 LOWERINGS: dict[str, Lowering] = {}
 
 
 def lowering(*names: str, promote: str | None = None, promote_args=None, static_scalars=False,
              random=False, overwrites=False, derive_variants=True, mutates=(), graph_only=False,
-             platforms=None, shape_from_lowering=False, contiguity_of=None, same_dtype=None):
+             platforms=None, shape_from_lowering=False, contiguity_of=None, same_dtype=None,
+             output_strides=None):
     """Register ``fn`` as the lowering of each ATen overload in ``names`` ("add.Tensor")."""
     def register(fn):
         for name in names:
@@ -73,7 +83,7 @@ def lowering(*names: str, promote: str | None = None, promote_args=None, static_
                          derive_variants=derive_variants, mutates=tuple(mutates), graph_only=graph_only,
                          platforms=tuple(platforms) if platforms else None,
                          shape_from_lowering=shape_from_lowering, contiguity_of=contiguity_of,
-                         same_dtype=same_dtype))
+                         same_dtype=same_dtype, output_strides=output_strides))
         return fn
     return register
 

@@ -164,6 +164,7 @@ def compilation(run: dict, warmup: int, warm_run: dict | None) -> dict:
         # Eager executables needed after the first step, by call site (step numbers count from 0).
         "compile_sites": [dict(e, steady_steps=sum(1 for s in e["steps"] if s >= warmup))
                           for e in run.get("compile_sites", [])],
+        "adaptive": _adaptive(m),
         "warm_start": None,
     }
     if warm_run is not None:
@@ -183,6 +184,21 @@ def compilation(run: dict, warmup: int, warm_run: dict | None) -> dict:
 
 def _reasons(entry: dict) -> str:
     return ", ".join(f"{r} ×{n}" for r, n in sorted(entry["reasons"].items(), key=lambda x: -x[1]))
+
+
+def _adaptive(m: dict) -> dict | None:
+    """Adaptive eager's regions: how many ran fused, how many op by op and why (None if unused)."""
+    if not m.get("regions_flushed"):
+        return None
+    return {
+        "regions": m["regions_flushed"],
+        "ops": m.get("region_ops", 0),
+        "replayed_ops": m.get("region_replayed_ops", 0),
+        "fused_runs": m.get("region_cache_hits", 0),
+        "unfused_runs": dict(m.get("region_unfused", {})),
+        "compiles": m.get("region_compiles", 0),
+        "compile_seconds": m.get("region_compile_seconds", 0.0),
+    }
 
 
 def _compiled(step: dict) -> bool:
@@ -414,6 +430,19 @@ def findings(run, baseline, sections, warmup) -> list[dict]:
             out.append(_finding("warning", "recompiles", "torch.compile recompiled",
                                 f"{sum(recompile_reasons.values())} recompile(s): "
                                 + "; ".join(f"{r} ({n})" for r, n in recompile_reasons.items())))
+    adaptive = comp.get("adaptive")
+    unfused = (adaptive or {}).get("unfused_runs", {})
+    if unfused.get("regions keep changing"):
+        out.append(_finding(
+            "warning", "adaptive_regions_change", "Adaptive eager regions keep changing",
+            f"{unfused['regions keep changing']} region run(s) went op by op because most recent regions "
+            "were new (changing shapes or op sequences), so compiling them was stopped; the program runs "
+            "at plain eager speed there. Pad or bucket shapes (torchneuron.pad_to_multiple)."))
+    if unfused.get("compile failed"):
+        out.append(_finding(
+            "warning", "adaptive_compile_failed", "Adaptive eager regions failed to compile",
+            f"{unfused['compile failed']} region run(s) went op by op because their fused executable "
+            "failed to compile (a torchneuron bug: please report it)."))
     if comp["graph_breaks"]:
         out.append(_finding("warning", "graph_breaks", "torch.compile graph breaks",
                             f"{sum(comp['graph_breaks'].values())} graph break(s): "
@@ -550,7 +579,7 @@ def build(run: dict, *, baseline: dict | None = None, warm: dict | None = None, 
 def empty_run(role: str, message: str, command=None, device_map=None) -> dict:
     """Stands in for a run that produced no data (crashed interpreter, killed at its time limit)."""
     zero_counters = {k: {} for k in ("op_calls", "fallbacks", "decompositions", "recompiles", "graph_breaks",
-                                     "float64_downcasts", "graph_fallbacks")}
+                                     "float64_downcasts", "graph_fallbacks", "region_unfused")}
     metrics = {"executables_compiled": 0, "compile_seconds": 0.0, "cache_hits": 0, "h2d_copies": 0,
                "h2d_bytes": 0, "d2h_copies": 0, "d2h_bytes": 0, "graphs_compiled": 0, **zero_counters}
     return {"schema": "torchneuron.run/1", "role": role, "steps": [], "metrics": metrics, "sites": [],

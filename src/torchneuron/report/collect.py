@@ -67,9 +67,10 @@ def track(name: str, value, *, rtol: float | None = None, atol: float | None = N
 
 
 _LIGHT_SCALARS = ("executables_compiled", "compile_seconds", "cache_hits", "h2d_copies", "h2d_bytes",
-                  "d2h_copies", "d2h_bytes", "graphs_compiled")
+                  "d2h_copies", "d2h_bytes", "graphs_compiled", "regions_flushed", "region_ops",
+                  "region_replayed_ops", "region_cache_hits", "region_compiles", "region_compile_seconds")
 _LIGHT_COUNTERS = ("fallbacks", "decompositions", "recompiles", "graph_breaks", "float64_downcasts",
-                   "graph_fallbacks")
+                   "graph_fallbacks", "region_unfused")
 # Counters reported for the whole run only (not per step).
 _TOTAL_COUNTERS = ("op_calls", "custom_kernel_calls", "custom_kernel_compiles") + _LIGHT_COUNTERS
 

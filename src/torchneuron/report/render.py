@@ -220,6 +220,13 @@ def _compilation(b, report):
         ["Graph breaks", str(sum(c["graph_breaks"].values()))],
         ["Recompiles", str(sum(c["recompiles"].values()))],
     ]
+    a = c.get("adaptive")
+    if a:
+        rows.append(["Adaptive eager regions", f"{a['regions']} ({a['ops']} ops, {a['replayed_ops']} replayed)"])
+        rows.append(["Adaptive regions run fused / op by op",
+                     f"{a['fused_runs']} / {sum(a['unfused_runs'].values())} segment runs"])
+        rows.append(["Adaptive fused executables compiled (background)",
+                     f"{a['compiles']} ({fmt_s(a['compile_seconds'])})"])
     pc = c.get("persistent_cache") or {}
     if pc:
         rows.append(["Persistent cache (this run)", f"{pc.get('cache_hits', 0)} hits, {pc.get('cache_misses', 0)} misses"])
@@ -244,6 +251,9 @@ def _compilation(b, report):
         if c[key]:
             b.append(("p", [label + ":"]))
             b.append(("table", ["Reason", "Count"], [[Code(r), str(n)] for r, n in c[key].items()]))
+    if a and a["unfused_runs"]:
+        b.append(("p", ["Adaptive regions run op by op, by reason:"]))
+        b.append(("table", ["Reason", "Segment runs"], [[r, str(n)] for r, n in a["unfused_runs"].items()]))
 
 
 def _transfers(b, report):

@@ -24,6 +24,7 @@ import warnings
 
 import jax
 import torch
+from jax._src.lax import linalg as jax_linalg
 from jax.experimental import serialize_executable
 
 from ..config import config
@@ -73,11 +74,25 @@ def _path(kind: str, name: str) -> str | None:
     return os.path.join(directory, kind, f"{name}.tnexe") if directory else None
 
 
+def _prepare_custom_calls() -> None:
+    """XLA's CPU LAPACK custom calls (cholesky, qr, eigh, svd, lu, triangular solve...) get their
+    function pointers when JAX first lowers one; a loaded executable is never lowered, and calling
+    one before that jumped through a null pointer (the process died with SIGSEGV)."""
+    global _custom_calls_ready
+    if not _custom_calls_ready:
+        jax_linalg.initialize_lapack()
+        _custom_calls_ready = True
+
+
+_custom_calls_ready = False
+
+
 def load(kind: str, name: str, devices):
     """(loaded executable, metadata dict) of a stored entry, or None."""
     path = _path(kind, name)
     if path is None or not os.path.exists(path):
         return None
+    _prepare_custom_calls()
     try:
         with open(path, "rb") as f:
             entry = pickle.load(f)

@@ -342,10 +342,19 @@ def storage_address(t: torch.Tensor) -> int:
 
 def record_of(t: torch.Tensor) -> StorageRecord:
     """The allocator record behind a neuron tensor, or a clear error if there is none."""
-    rec = allocator.records.get(t.untyped_storage().data_ptr())
+    ptr = t.untyped_storage().data_ptr()
+    rec = allocator.records.get(ptr)
     if rec is None:
         if t.device.type != "neuron":
             raise RuntimeError(f"torchneuron: expected a neuron tensor, got one on {t.device}")
+        inside = next((a for a, r in list(allocator.records.items()) if a < ptr < a + max(r.nbytes, 1)), None)
+        if inside is not None:
+            # UntypedStorage.__getitem__ with a slice makes a storage that starts inside another.
+            raise RuntimeError(
+                f"torchneuron: this neuron tensor (shape {tuple(t.shape)}, {t.dtype}) lives on a slice of "
+                f"another storage (UntypedStorage[start:stop], starting at byte {ptr - inside}), which "
+                "neuron does not support. Index the tensor instead, or copy the storage to CPU "
+                "(storage.cpu()) before slicing it.")
         raise RuntimeError(
             f"torchneuron: the storage of this neuron tensor (shape {tuple(t.shape)}, {t.dtype}) has "
             "been freed or resized to zero bytes; it can no longer be read. Keep a reference to the "
@@ -373,11 +382,25 @@ def _nothing_pending(reason: str) -> None:
 flush_pending = _nothing_pending
 
 
+class Unavailable:
+    """Marks a storage whose buffer was never computed: the adaptive-eager region producing it
+    raised (the error reached the user where the region ran)."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+    def __repr__(self):
+        return f"<buffer never computed: {self.error}>"
+
+
 def empty_buffer(rec: StorageRecord):
     """The storage's buffer for a host-side reader: zeros if nobody wrote it yet, and the result of
     the pending adaptive-eager region if one is producing it."""
     if rec.buf is PENDING:
         flush_pending("host read")
+    if rec.buf.__class__ is Unavailable:
+        raise RuntimeError(f"torchneuron: this tensor's values were never computed, because the ops "
+                           f"producing them failed earlier ({rec.buf.error}). Recompute it.")
     if rec.buf is None:
         rec.buf = _zeros(rec.numel, rec.dtype, rec.device_index)
     return rec.buf

@@ -1,0 +1,121 @@
+"""The dtypes PyTorch's CPU kernels refuse, refused on neuron too.
+
+A lowering is a JAX function: it computes ``abs`` of a bool tensor, ``gelu`` of an int64 one or a
+complex ``clamp`` where ATen's CPU kernels raise (``"abs_cpu" not implemented for 'Bool'``). A result
+no CPU run can be checked against is worse than CPU's error, and PyTorch's own tests (OpInfo's
+``test_dtypes``) hold a device to CPU's dtype lists. ``cpu_dtype_refusals`` records, per ATen
+overload, the argument dtypes CPU refused and its error, measured by running every OpInfo sample of
+every dtype on CPU (``python -m torchneuron.tools.cpu_dtypes`` regenerates it for a new torch).
+
+An eager kernel checks this once per executable-cache entry, when it plans one (the key holds every
+dtype the check reads), so a cached call pays nothing. torch.compile graphs are not checked: they
+hold the ops of PyTorch's decompositions, with dtype combinations CPU's eager kernels never see.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .signature import (
+    OPT_SCALAR,
+    OPT_TENSOR,
+    OPT_TENSOR_LIST,
+    SCALAR,
+    TENSOR,
+    TENSOR_LIST,
+    registry_name,
+    writes,
+)
+
+_CODES = {torch.bool: "b8", torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.int32: "i32",
+          torch.int64: "i64", torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32",
+          torch.float64: "f64", torch.complex64: "c64", torch.complex128: "c128"}
+_VALUE_KINDS = (TENSOR, OPT_TENSOR, TENSOR_LIST, OPT_TENSOR_LIST, SCALAR, OPT_SCALAR)
+
+
+def _code(v):
+    if v is None:
+        return None
+    if isinstance(v, torch.Tensor):
+        return _CODES.get(v.dtype, str(v.dtype))
+    if isinstance(v, torch.dtype):
+        return _CODES.get(v, str(v))
+    if isinstance(v, list | tuple):
+        return tuple(_code(x) for x in v)
+    return type(v).__name__        # a Python scalar (or a wrapped number): its type picks the dtype
+
+
+def checked_positions(sig) -> tuple[int, ...]:
+    """The arguments whose dtypes a refusal depends on: tensors, scalars and ``dtype=`` arguments;
+    not ``out=`` tensors (their dtype decides casting, not whether the kernel exists)."""
+    positions = []
+    for i, (arg, kind) in enumerate(zip(sig.overload._schema.arguments, sig.kinds)):
+        if arg.kwarg_only and writes(arg):
+            continue
+        if kind in _VALUE_KINDS or str(arg.type) in ("ScalarType", "Optional[ScalarType]"):
+            positions.append(i)
+    return tuple(positions)
+
+
+def dtype_signature(sig, values, wild: bool = False) -> tuple:
+    """The dtypes of one call of ``sig`` (an ``OpSignature``) with bound ``values``, as the table
+    spells them; ``wild``: ``Scalar`` arguments as "*" (whatever their type, for refusals that
+    hold for every scalar the samples passed)."""
+    kinds = sig.kinds
+    return tuple("*" if wild and kinds[i] in (SCALAR, OPT_SCALAR) else _code(values[i])
+                 for i in checked_positions(sig))
+
+
+def has_empty_tensor(sig, values) -> bool:
+    """A tensor argument without elements: CPU kernels often return before their dtype dispatch."""
+    for i in checked_positions(sig):
+        v = values[i]
+        for t in (v if isinstance(v, list | tuple) else (v,)):
+            if isinstance(t, torch.Tensor) and t.numel() == 0:
+                return True
+    return False
+
+
+_table = None
+# CPU gaps an accelerator fills: its half dtypes (erfcx of bfloat16), and kernels whose CUDA
+# versions take dtypes CPU's refuse where model code relies on it (transformers' MoE layers call
+# histc on int32 on accelerators).
+_HALF = {"f16", "bf16"}
+_ACCELERATOR_KERNELS = {"histc.default"}
+
+
+def _refusals():
+    global _table
+    if _table is None:
+        from .cpu_dtype_refusals import REFUSALS  # a large table: loaded at the first plan
+        _table = {name: {sig: hit for sig, hit in refused.items() if not _HALF & set(_flat(sig))}
+                  for name, refused in REFUSALS.items() if name not in _ACCELERATOR_KERNELS}
+    return _table
+
+
+def _flat(signature):
+    for c in signature:
+        if isinstance(c, tuple):
+            yield from _flat(c)
+        else:
+            yield c
+
+
+def check(sig, values, describe) -> None:
+    """Raise CPU's error if its kernels refuse these dtypes for this overload (an in-place overload
+    the table never saw is judged by its functional form). ``describe(values)`` names the inputs."""
+    table = _refusals()
+    refused = table.get(registry_name(sig.overload))
+    if refused is None and sig.functional is not None:
+        refused = table.get(registry_name(sig.functional))
+    if not refused or has_empty_tensor(sig, values):
+        return
+    hit = refused.get(dtype_signature(sig, values))
+    if hit is None:
+        hit = refused.get(dtype_signature(sig, values, wild=True))
+    if hit is None:
+        return
+    kind, message = hit
+    cls = NotImplementedError if kind == "NotImplementedError" else RuntimeError
+    raise cls(f"{message}\n[torchneuron] in {sig.name}{describe(values)}: PyTorch's CPU kernel refuses "
+              "these dtypes too; convert the inputs to a dtype it supports")
