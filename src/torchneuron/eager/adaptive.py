@@ -34,6 +34,11 @@ hashing. A call that does not match ends the replay; the op then takes the full 
 
 Scalars and RNG offsets stay runtime inputs, so values, in-place effects, views, autograd, RNG
 streams and memory statistics are those of plain eager.
+
+Device checks (``ops/checks.py``: index bounds, integer division by zero). A recorded op whose
+executable may check values keeps its user call site; whether it runs op by op or inside a fused
+segment (which returns the check outcomes after its results), every outcome is reported after the
+region ran, in op order, with the site of that occurrence -- as plain eager reports them.
 """
 
 from __future__ import annotations
@@ -41,13 +46,10 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-<<<<<<< HEAD
-import sys
-=======
 import operator
 import os
 import queue
->>>>>>> main
+import sys
 import threading
 import time
 
@@ -57,14 +59,10 @@ import torch
 
 from ..config import config
 from ..metrics import metrics
-<<<<<<< HEAD
-from ..runtime import memory, sites
-=======
 from ..ops.signature import OPT_TENSOR_LIST, TENSOR_LIST
-from ..runtime import memory, rng
+from ..runtime import memory, rng, sites
 from ..runtime.dtypes import jax_dtype
 from ..runtime.values import offset_array, scalar_array
->>>>>>> main
 from . import kernel
 
 _records = memory.allocator.records
@@ -99,13 +97,10 @@ class Region:
         self.external = []       # buffers read from storages that existed before the region
         self.external_sids = []
         self.results = set()     # storage ids whose buffer the region produces (outputs, writes)
-<<<<<<< HEAD
-        self.sites = []          # per op: its call site, for ops that may have device checks
-=======
+        self.sites = {}          # op position -> user call site, for ops that may have device checks
         self.device = None
         self.cursor = cursor     # the plan this region is predicted to repeat, while calls match it
         self.pos = 0             # how many of its ops were replayed
->>>>>>> main
 
     # -- cuts at autograd boundaries ------------------------------------------------------------
     def _backward_boundary(self, task):
@@ -119,34 +114,6 @@ class Region:
 
     def _backward_done(self, task):
         with self.lock:
-<<<<<<< HEAD
-            input_sids = tuple(self._sid(addr, buf) for addr, buf in zip(ctx.addrs, ctx.bufs))
-            device_index = ctx.device_index if ctx.device_index is not None else k.output_device(values)
-            outs, out_sids = [], []
-            for spec in exe.out_specs:
-                if spec is None:
-                    outs.append(None)
-                    out_sids.append(None)
-                    continue
-                dtype, sizes, strides = spec
-                numel = 1
-                for s in sizes:
-                    numel *= s
-                t = memory.allocator.new_tensor(sizes, strides, dtype, device_index, buf=PENDING,
-                                                storage_nbytes=numel * dtype.itemsize)
-                sid = self._sid(t.untyped_storage().data_ptr(), None)
-                out_sids.append(sid)
-                self.results.add(sid)
-                outs.append(t)
-            for slot in exe.writes:
-                _records[ctx.addrs[slot]].buf = PENDING
-                self.results.add(input_sids[slot])
-            self.ops.append((exe, input_sids, tuple(out_sids), len(ctx.runtime)))
-            # Device checks are known once an executable was traced (None: not yet).
-            maybe_checked = exe.traced.checks is None or exe.traced.checks
-            self.sites.append(sites.place(sys._getframe()) if maybe_checked else None)
-            self.runtime.extend(ctx.runtime)
-=======
             if self.graph_task == task:
                 self.graph_task = -1
             self.flush("backward end")
@@ -193,10 +160,11 @@ class Region:
             for sid in check.written:
                 _records[addr_of[sid]].buf = PENDING
                 results.add(sid)
+            if check.maybe_checked:
+                self.sites[len(self.ops)] = sites.place(sys._getframe())
             self.ops.append(check.entry)
             self.device = check.device
             self.pos = pos + 1
->>>>>>> main
             full = len(self.ops) >= config.adaptive_max_ops
         if full:
             self.flush("size limit")
@@ -372,6 +340,9 @@ class Region:
                 _records[ctx.addrs[slot]].buf = PENDING
                 self.results.add(input_sids[slot])
             entry = (exe, input_sids, out_sids, len(ctx.runtime))
+            checks = exe.traced.checks   # known once the executable was traced (None: not yet)
+            if checks is None or checks:
+                self.sites[len(self.ops)] = sites.place(sys._getframe())
             self.ops.append(entry)
             self.runtime.extend(ctx.runtime)
             self.device = device
@@ -392,38 +363,8 @@ class Region:
         with self.lock:
             if not self.ops:
                 return
-<<<<<<< HEAD
-            ops, runtime, op_sites = self.ops, self.runtime, self.sites
-            external, external_sids, addr_of = self.external, self.external_sids, self.addr_of
-            memory.allocator.collect()   # storages freed meanwhile need no output
-            live = tuple(sorted(sid for sid in self.results if addr_of[sid] in _records))
-            self.reset()
-            # Executables stand for their cache keys (one per key, hashed by identity: cheaper than
-            # re-hashing every op's key at each flush, and held alive here so ids are not reused).
-            structure = (tuple(ops), tuple(external_sids), live)
-            built = _regions.get(structure)
-            if built is None:
-                built = _build(ops, external_sids, live)
-                start = time.perf_counter()
-                results = built[0](*external, *runtime)
-                metrics.compile_seconds += time.perf_counter() - start
-                metrics.region_compiles += 1
-                metrics.executables_compiled += 1
-                # Custom kernels (torchneuron.kernel) are named with their namespace, ATen ops not.
-                metrics.custom_kernel_compiles.update({exe.op_name for exe, *_ in ops if "::" in exe.op_name})
-                _regions[structure] = built
-            else:
-                metrics.region_cache_hits += 1
-                results = built[0](*external, *runtime)
-            for sid, buf in zip(live, results):
-                rec = _records.get(addr_of[sid])
-                if rec is not None:
-                    rec.buf = buf
-            # Then the outcomes of the ops' device checks, in op order.
-            for n, outcome in zip(built[1], results[len(live):]):
-                ops[n][0].traced.report(outcome, op_sites[n])
-=======
-            ops, runtime, addr_of, records = self.ops, self.runtime, self.addr_of, _records
+            ops, runtime, addr_of, records, op_sites = self.ops, self.runtime, self.addr_of, _records, self.sites
+            memory.allocator.collect()   # storages freed since the last allocation need no result
             live = [sid for sid in self.results if addr_of[sid] in records]
             live.sort()
             live = tuple(live)
@@ -436,12 +377,12 @@ class Region:
             external = self.external
             metrics.region_replayed_ops += self.pos
             self.reset(None)
->>>>>>> main
             metrics.regions_flushed += 1
             metrics.region_ops += len(ops)
             metrics.flush_reasons[reason] += 1
+            outcomes = []
             try:
-                results = _run(plan, external, runtime)
+                results = _run(plan, external, runtime, outcomes)
             except BaseException as err:
                 # Reads of what the region would have produced raise instead of seeing PENDING.
                 failed = memory.Unavailable(f"{type(err).__name__}: {err}".splitlines()[0])
@@ -460,50 +401,15 @@ class Region:
             self.prev = plan
             _starts[ops[0][0]] = plan
             self.cursor = plan.next
+            # The outcomes of the ops' device checks, in op order (a "sync" error raises here, once
+            # the region's results are in place).
+            for n, outcome in outcomes:
+                ops[n][0].traced.report(outcome, op_sites.get(n))
 
 
 _traced_once: set = set()   # new executables seen at a recorded call
 
 
-<<<<<<< HEAD
-def _build(ops, external_sids, live):
-    """(the region's jitted function, indices of the ops whose device-check outcomes it returns
-    after the live buffers -- known once the function has been traced, at its first call)."""
-    n_external = len(external_sids)
-    checked = []
-
-    def run(*flat):
-        current = dict(zip(external_sids, flat[:n_external]))
-        position = n_external
-        outcomes = []
-        checked.clear()
-        for n, (exe, input_sids, out_sids, n_runtime) in enumerate(ops):
-            bufs = [current[sid] for sid in input_sids]
-            results = exe.traced(*bufs, *flat[position:position + n_runtime])
-            position += n_runtime
-            k = 0
-            for sid in out_sids:
-                if sid is not None:
-                    current[sid] = results[k]
-                    k += 1
-            for slot in exe.writes:
-                current[input_sids[slot]] = results[k]
-                k += 1
-            if exe.traced.checks:
-                outcomes.append(results[k])
-                checked.append(n)
-        return tuple(current[sid] for sid in live) + tuple(outcomes)
-
-    return jax.jit(run), checked
-
-
-def device_checks_changed(mode: str) -> None:
-    """Executables compile their device checks in (or not): forget the eager and region caches
-    when ``config.device_checks`` changes (installed as its observer by ``torchneuron.register``)."""
-    flush("settings change")
-    kernel.clear_cache()
-    _regions.clear()
-=======
 def _reads_non_floating(specs) -> bool:
     for s in specs:
         if isinstance(s, tuple) and s:
@@ -531,15 +437,20 @@ def _trace_now(k, exe, values, ctx):
 class Segment:
     """Consecutive ops of a plan compiled as one fused executable."""
 
-    __slots__ = ("ops", "in_sids", "out_sids", "rt_start", "rt_stop", "carry", "fn", "state", "error")
+    __slots__ = ("ops", "start", "in_sids", "out_sids", "rt_start", "rt_stop", "carry", "fn", "checked", "state",
+                 "error")
 
-    def __init__(self, ops, in_sids, rt_start, rt_stop):
+    def __init__(self, ops, start, in_sids, rt_start, rt_stop):
         self.ops = ops
+        self.start = start          # the position of its first op in the plan
         self.in_sids = in_sids      # storages it reads that earlier segments or the caller provide
         self.out_sids = ()          # storages it produces that later segments read or that stay alive
         self.rt_start, self.rt_stop = rt_start, rt_stop
         self.carry = ()             # storages whose buffers are needed after it
         self.fn = None              # the fused executable, once compiled
+        # Positions (in the segment) of the ops whose device-check outcomes ``fn`` returns after
+        # the buffers of ``out_sids``, in op order: known once it was traced.
+        self.checked = ()
         self.state = None           # None, "compiling", "ready" or "compile failed"
         self.error = None
 
@@ -579,7 +490,7 @@ class _OpCheck:
     ids each tensor must sit on, and what the op writes."""
 
     __slots__ = ("entry", "exe", "kernel", "statics", "args", "storages", "device", "default_dtype", "random",
-                 "factory", "written")
+                 "factory", "written", "maybe_checked")
 
     def __init__(self, entry):
         exe, input_sids, _, _ = entry
@@ -610,6 +521,10 @@ class _OpCheck:
         # No tensor inputs: the device argument (else the current device) decides the key's device.
         self.factory = not _reads_storage(specs)
         self.written = tuple(input_sids[slot] for slot in exe.writes)
+        # Whether a replayed call keeps its call site for device-check errors (checks are known
+        # once the executable was traced, which a plan's first run does).
+        checks = exe.traced.checks
+        self.maybe_checked = checks is None or bool(checks)
 
 
 def _segments(ops, live, size):
@@ -626,7 +541,7 @@ def _segments(ops, live, size):
             produced.update(sid for sid in out_sids if sid is not None)
             produced.update(input_sids[slot] for slot in exe.writes)
             n += n_runtime
-        seg = Segment(chunk, tuple(reads), rt, rt + n)
+        seg = Segment(chunk, start, tuple(reads), rt, rt + n)
         seg.carry = produced            # replaced below: what is needed after it
         segments.append(seg)
         rt += n
@@ -668,14 +583,19 @@ def _churning() -> bool:
     return len(_recent) == _recent.maxlen and sum(_recent) >= _recent.maxlen * 3 // 4
 
 
-def _run(plan, external, runtime):
+def _run(plan, external, runtime, outcomes):
     """Run one occurrence of ``plan``: each segment fused if its executable is ready, else op by op
-    (queuing its compile when the plan has repeated enough). Returns the buffers of ``plan.live``."""
+    (queuing its compile when the plan has repeated enough). Returns the buffers of ``plan.live``;
+    appends (op position, outcome) of the ops' device checks to ``outcomes``, in op order."""
     plan.seen += 1
-    fn = plan.direct.fn if plan.direct is not None else None
+    direct = plan.direct
+    fn = direct.fn if direct is not None else None
     if fn is not None:   # one fused executable taking the region's inputs, returning its results
         metrics.region_cache_hits += 1
-        return fn(*external, *runtime)
+        results = fn(*external, *runtime)
+        if direct.checked:
+            outcomes.extend(zip(direct.checked, results[len(plan.live):]))
+        return results
     current = dict(zip(plan.external_sids, external))
     split = len(plan.segments) > 1
     for seg in plan.segments:
@@ -683,7 +603,12 @@ def _run(plan, external, runtime):
         fn = seg.fn
         if fn is not None:
             metrics.region_cache_hits += 1
-            current.update(zip(seg.out_sids, fn(*[current[sid] for sid in seg.in_sids], *rt)))
+            results = fn(*[current[sid] for sid in seg.in_sids], *rt)
+            current.update(zip(seg.out_sids, results))
+            if seg.checked:
+                start = seg.start
+                outcomes.extend((start + n, outcome)
+                                for n, outcome in zip(seg.checked, results[len(seg.out_sids):]))
         else:
             reason = seg.state
             if reason is None:
@@ -697,16 +622,21 @@ def _run(plan, external, runtime):
                     reason = "compiling"
                     _submit(seg, plan.device, [current[sid] for sid in seg.in_sids] + list(rt))
             metrics.region_unfused[reason] += 1
-            _interpret(seg.ops, current, rt, _run_op)
+            found = _interpret(seg.ops, current, rt, _run_op)
+            if found:
+                start = seg.start
+                outcomes.extend((start + n, outcome) for n, outcome in found)
         if split:
             current = {sid: current[sid] for sid in seg.carry}
     return [current[sid] for sid in plan.live]
 
 
 def _interpret(ops, current, runtime, call):
-    """Run recorded ops in order on the buffers in ``current`` (storage id -> buffer), in place."""
+    """Run recorded ops in order on the buffers in ``current`` (storage id -> buffer), in place.
+    Returns [(op position, outcome)] of the ops with device checks (their executables' last result)."""
     position = 0
-    for exe, input_sids, out_sids, n_runtime in ops:
+    found = []
+    for n, (exe, input_sids, out_sids, n_runtime) in enumerate(ops):
         results = call(exe, [current[sid] for sid in input_sids], runtime[position:position + n_runtime])
         position += n_runtime
         k = 0
@@ -717,6 +647,9 @@ def _interpret(ops, current, runtime, call):
         for slot in exe.writes:
             current[input_sids[slot]] = results[k]
             k += 1
+        if exe.traced.checks:   # known once traced: by the call just made
+            found.append((n, results[k]))
+    return found
 
 
 def _run_op(exe, bufs, runtime):
@@ -740,8 +673,9 @@ def _fused(seg, device):
 
     def run(*flat):
         current = dict(zip(in_sids, flat[:n_in]))
-        _interpret(ops, current, flat[n_in:], _trace_op)
-        return tuple(current[sid] for sid in out_sids)
+        found = _interpret(ops, current, flat[n_in:], _trace_op)
+        seg.checked = tuple(n for n, _ in found)   # before seg.fn is set: the caller reads both
+        return tuple(current[sid] for sid in out_sids) + tuple(outcome for _, outcome in found)
 
     return jax.jit(run, out_shardings=kernel._sharding(device))
 
@@ -882,7 +816,6 @@ def _shutdown():
     flush("exit")
     _closing = True      # queued compiles are dropped; one in flight finishes before exit
     wait_for_compiles()
->>>>>>> main
 
 
 # -- public switches ----------------------------------------------------------------------------
@@ -937,6 +870,19 @@ def eager_mode(mode: str):
         yield
     finally:
         set_eager_mode(previous)
+
+
+def device_checks_changed(mode: str) -> None:
+    """Executables compile their device checks in (or not): forget the eager executables and the
+    region plans built from them when ``config.device_checks`` changes (installed as its observer by
+    ``torchneuron.register``)."""
+    flush("settings change")
+    with region.lock:
+        kernel.clear_cache()
+        _plans.clear()
+        _starts.clear()
+        _traced_once.clear()
+        region.prev = region.cursor = None
 
 
 def clear_region_cache() -> None:

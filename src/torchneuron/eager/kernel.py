@@ -342,7 +342,9 @@ class Kernel(OpSignature):
             try:
                 results = jitted(*bufs, *runtime)
             except Exception as err:
-                cpu = self._cpu_error(values)   # a check only the CPU kernel makes (max() of nothing)
+                # A check only the CPU kernel makes (max() of nothing); adaptive eager's op-by-op
+                # runs pass no values (the user's call was checked when it was recorded).
+                cpu = self._cpu_error(values) if values else None
                 if cpu is not None:
                     raise cpu from None
                 self.raise_call_error(values, err)
