@@ -118,17 +118,12 @@ class Config:
             if raw is None:
                 continue
             value = raw
-            if f.name in _MINIMUM:
+            if f.name in _MINIMUM or f.name in _FLOAT_MINIMUM:
+                kind, what = (int, "an integer") if f.name in _MINIMUM else (float, "a number")
                 try:
-                    value = int(raw.strip())
+                    value = kind(raw.strip())
                 except ValueError:
-                    raise ValueError(f"torchneuron: {_variable(f.name)}={raw!r} is not an integer "
-                                     f"(config.{f.name}; default {f.default})") from None
-            elif f.name in _FLOAT_MINIMUM:
-                try:
-                    value = float(raw.strip())
-                except ValueError:
-                    raise ValueError(f"torchneuron: {_variable(f.name)}={raw!r} is not a number "
+                    raise ValueError(f"torchneuron: {_variable(f.name)}={raw!r} is not {what} "
                                      f"(config.{f.name}; default {f.default})") from None
             elif f.name in _BOOL_FIELDS:
                 value = _BOOLS.get(raw.strip().lower())
