@@ -561,3 +561,89 @@ def test_memory_statistics_identical_to_plain(monkeypatch):
     assert m("region_cache_hits") >= 1
     for fused in runs:
         assert plain == fused == [4000, 8000, 4000, 4004, 0]
+
+
+# -- device checks (index bounds, integer division by zero) -----------------------------------------
+_GX = torch.arange(12.0).reshape(3, 4)
+_GOOD = torch.tensor([[1], [2], [0]])
+_BAD = torch.tensor([[1], [7], [0]])
+_OUT_OF_RANGE = "index 7 is out of bounds for dimension 1 with size 4"
+
+
+def _gather_step(x, i):
+    return ((x * 2).gather(1, i) + 1).sum()
+
+
+def _compile_gather_region(x):
+    """Run the gather region until its fused executable is ready (or its compile failed)."""
+    for _ in range(3):
+        assert _gather_step(x, _GOOD.to("neuron")).item() == _gather_step(_GX, _GOOD).item()
+        adaptive_mode.wait_for_compiles()
+
+
+@pytest.mark.usefixtures("adaptive")
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "op-by-op"])
+def test_device_check_errors_of_a_replayed_region_name_the_line_of_that_occurrence(fused, monkeypatch):
+    if not fused:   # the region replays but its segment keeps running op by op
+        monkeypatch.setattr(adaptive_mode, "_fused", lambda seg, device: 1 / 0)
+    x = _GX.to("neuron")
+    _compile_gather_region(x)
+    hits, replayed = m("region_cache_hits"), m("region_replayed_ops")
+    bad = _BAD.to("neuron")
+    with pytest.raises(RuntimeError, match=_OUT_OF_RANGE) as err:
+        ((x * 2).gather(1, bad) + 1).sum().item()   # the same region, called from this line
+    assert m("region_replayed_ops") == replayed + 4
+    assert m("region_cache_hits") == hits + fused
+    assert "gather" in str(err.value) and "((x * 2).gather(1, bad) + 1).sum().item()" in str(err.value)
+    assert _gather_step(x, _GOOD.to("neuron")).item() == _gather_step(_GX, _GOOD).item()   # goes on
+
+
+@pytest.mark.usefixtures("adaptive")
+@pytest.mark.parametrize("first", ["gather", "div"])
+def test_device_checks_of_a_fused_region_are_reported_in_op_order(first):
+    x, a = _GX.to("neuron"), torch.tensor([7, 8, 9]).to("neuron")
+
+    def step(i, d):
+        if first == "gather":
+            g = x.gather(1, i)
+            q = a // d
+        else:
+            q = a // d
+            g = x.gather(1, i)
+        return g.sum() + q.sum()
+
+    ones = torch.ones(3, dtype=torch.int64)
+    for _ in range(3):
+        step(_GOOD.to("neuron"), ones.to("neuron")).item()
+        adaptive_mode.wait_for_compiles()
+    hits = m("region_cache_hits")
+    with pytest.raises(RuntimeError) as err:
+        step(_BAD.to("neuron"), (ones * 0).to("neuron")).item()
+    assert m("region_cache_hits") == hits + 1
+    if first == "gather":
+        assert _OUT_OF_RANGE in str(err.value)
+    else:
+        assert isinstance(err.value, ZeroDivisionError) and str(err.value).startswith("ZeroDivisionError")
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_device_checks_sync_raises_when_a_fused_region_runs(monkeypatch):
+    monkeypatch.setattr(torchneuron.config, "device_checks", "sync")
+    x = _GX.to("neuron")
+    _compile_gather_region(x)
+    hits = m("region_cache_hits")
+    with pytest.raises(RuntimeError, match=_OUT_OF_RANGE):
+        _gather_step(x, _BAD.to("neuron")).item()
+    assert m("region_cache_hits") == hits + 1
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_turning_device_checks_off_forgets_regions_compiled_with_them(monkeypatch):
+    x = _GX.to("neuron")
+    _compile_gather_region(x)
+    assert adaptive_mode.region_cache_size() == 1
+    monkeypatch.setattr(torchneuron.config, "device_checks", "off")
+    assert adaptive_mode.region_cache_size() == 0
+    _compile_gather_region(x)
+    _gather_step(x, _BAD.to("neuron")).item()   # unchecked: no error, now or later
+    torch.neuron.synchronize()

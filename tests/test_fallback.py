@@ -29,7 +29,7 @@ def test_cpu_fallback_runs_counts_and_warns_once(monkeypatch):
     assert torch.equal(r1.cpu(), _no_lowering_op(x)) and torch.equal(r2.cpu(), r1.cpu())
     fallback_warnings = [w for w in caught if "not lowered for neuron" in str(w.message)]
     assert len(fallback_warnings) == 1 and "torchneuron_test::cpu_only" in str(fallback_warnings[0].message)
-    assert torchneuron.metrics()["fallbacks"] == {"cpu_only": 2}
+    assert torchneuron.metrics()["fallbacks"] == {"torchneuron_test::cpu_only": 2}
 
 
 def test_fallback_in_place_effects_reach_the_device_tensor():

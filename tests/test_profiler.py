@@ -39,7 +39,7 @@ def test_chrome_trace_has_neuron_ops_compiles_copies_and_fallbacks(tmp_path):
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["name"] for e in events if e.get("ph") == "X"}
     for name in ("neuron::addmm", "neuron::compile::addmm", "neuron::h2d", "neuron::d2h",
-                 "neuron::fallback::cpu_only", "neuron::mm", "neuron::sum"):
+                 "neuron::fallback::torchneuron_test::cpu_only", "neuron::mm", "neuron::sum"):
         assert name in names, sorted(n for n in names if n.startswith("neuron::"))
     threads = {e["tid"] for e in events if e.get("name") == "neuron::mm"}
     addmm_threads = {e["tid"] for e in events if e.get("name") == "neuron::addmm"}
@@ -51,7 +51,7 @@ def test_chrome_trace_has_neuron_ops_compiles_copies_and_fallbacks(tmp_path):
 
     rows = {(r["op"], r["path"]): r for r in profiler.stats()}
     assert rows[("addmm", "native")]["calls"] == 1 and rows[("addmm", "native")]["compiles"] == 1
-    assert rows[("cpu_only", "cpu")]["calls"] == 1
+    assert rows[("torchneuron_test::cpu_only", "cpu")]["calls"] == 1
     assert rows[("h2d", "copy")]["bytes"] >= 7 * 5 * 4
     assert rows[("d2h", "copy")]["calls"] >= 2   # cpu_only's input and the item()
 

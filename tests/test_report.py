@@ -131,7 +131,8 @@ def test_cuda_script_with_cpu_fallback_in_loop(tmp_path):
     assert proc.returncode == 1, proc.stderr       # a blocker
     assert kinds(report) == ["fallback_in_loop"]
     finding = report["findings"][0]
-    assert finding["op"] == "activation_histogram"
+    assert finding["op"] == "mylab::activation_histogram"
+    assert finding["title"].startswith("mylab::activation_histogram runs on CPU")   # its namespace kept
     assert finding["site"]["line"] == _line_of("cuda_fallback_in_loop.py", "= activation_histogram(")
 
     assert report["status"] == {**report["status"], "outcome": "stopped", "reason": "steps"}
@@ -140,10 +141,10 @@ def test_cuda_script_with_cpu_fallback_in_loop(tmp_path):
     assert report["runs"]["neuron"]["device_map_rewrites"] > 0
 
     paths = {r["op"]: r["path"] for r in report["census"]}
-    assert paths.pop("activation_histogram") == "cpu"
+    assert paths.pop("mylab::activation_histogram") == "cpu"
     assert set(paths.values()) == {"native"} and "addmm" in paths      # the model ran on neuron
     (row,) = report["fallbacks"]
-    assert row["op"] == "activation_histogram" and row["calls"] == 4 and row["in_hot_loop"]
+    assert row["op"] == "mylab::activation_histogram" and row["calls"] == 4 and row["in_hot_loop"]
     assert row["steady_steps_with_calls"] == row["steady_steps"] == 3
     assert row["d2h_copies"] == 4 and row["d2h_bytes"] == 4 * 32 * 16 * 4   # `hidden` read back per call
     assert row["h2d_copies"] == 4 and row["h2d_bytes"] == 4 * 10 * 4        # the histogram uploaded
@@ -259,10 +260,10 @@ def test_failing_op_is_a_blocker_with_its_call_site(tmp_path):
         torchneuron.config.fallback = old
     assert [f["kind"] for f in chk.findings] == ["op_failed", "no_steps"]
     failed = chk.findings[0]
-    assert failed["op"] == "cpu_only"
+    assert failed["op"] == "torchneuron_test::cpu_only"
     lines = pathlib.Path(__file__).read_text().splitlines()
     assert failed["site"]["line"] == next(i for i, t in enumerate(lines, 1) if t.endswith("# the failing line"))
-    row = next(r for r in chk.report["census"] if r["op"] == "cpu_only")
+    row = next(r for r in chk.report["census"] if r["op"] == "torchneuron_test::cpu_only")
     assert row["failed"] == 1 and row["path"] == "cpu" and "TORCHNEURON_FALLBACK" in row["error"]
 
 

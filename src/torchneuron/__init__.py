@@ -51,6 +51,7 @@ def register() -> None:
             "neuron", backend_module=device_module, hook=_Hooks(), device_guard=_Guard())
     registration.register_all()
     observe("eager_mode", adaptive.apply_mode)
+    observe("device_checks", adaptive.device_checks_changed)
     printing.install()
     rng.install()              # torch.Generator(device="neuron")
     modules.install()

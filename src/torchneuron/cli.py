@@ -6,7 +6,8 @@
 ``check`` runs the unmodified script in a child process under a collector (and, when asked, again
 on CPU as a numerical and performance baseline, and again as a warm start), then writes
 report.md, report.html and report.json. Exit status: 0 ready, 1 problems at or above --fail-on,
-2 the command could not be run.
+2 the command could not be run (invalid options, checked before anything runs; an unwritable report
+folder), 128+N stopped by signal N (the script is stopped with it).
 """
 
 from __future__ import annotations
@@ -28,16 +29,35 @@ from .report.env import manifest
 
 _PY_FLAGS_WITH_VALUE = ("-X", "-W", "-Q")
 
+# Exit statuses of `torchneuron check`.
+READY, BLOCKERS, UNUSABLE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """The command cannot be run as given (reported before anything runs; exit status 2)."""
+
+
+class Terminated(BaseException):
+    """SIGTERM/SIGHUP reached the CLI: the checked script is stopped too (exit status 128+signal)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminate(signum, frame):
+    raise Terminated(signum)
+
 
 def _split_command(command: list[str]) -> tuple[list[str], list[str]]:
     """["python", "-u", "train.py", "--lr", "1"] -> (["python", "-u"], ["train.py", "--lr", "1"])."""
     if not command:
-        raise SystemExit("torchneuron check: give the command after --, e.g. -- python train.py")
+        raise UsageError("give the command after --, e.g. -- python train.py")
     first = command[0]
     if first.endswith(".py"):
         return [sys.executable], command
     if not os.path.basename(first).startswith("python"):
-        raise SystemExit(f"torchneuron check runs Python programs; got {first!r}. "
+        raise UsageError(f"torchneuron check runs Python programs; got {first!r}. "
                          "Use: torchneuron check -- python train.py ARGS")
     exe = shutil.which(first) or first
     interp, rest = [exe], command[1:]
@@ -47,7 +67,7 @@ def _split_command(command: list[str]) -> tuple[list[str], list[str]]:
         if flag in _PY_FLAGS_WITH_VALUE and rest:
             interp.append(rest.pop(0))
     if not rest:
-        raise SystemExit("torchneuron check: no script or -m module in the command")
+        raise UsageError("no script or -m module in the command")
     return interp, rest
 
 
@@ -56,13 +76,15 @@ def _parse_tolerances(specs) -> dict:
     for spec in specs or ():
         name, sep, value = spec.partition("=")
         if not sep:
-            raise SystemExit(f"--tol expects NAME=RTOL[,ATOL], got {spec!r}")
+            raise UsageError(f"--tol expects NAME=RTOL[,ATOL], got {spec!r}")
         parts = value.split(",")
         try:
             rtol = float(parts[0])
             atol = float(parts[1]) if len(parts) > 1 else 0.0
         except ValueError:
-            raise SystemExit(f"--tol expects numbers, got {spec!r}") from None
+            raise UsageError(f"--tol expects numbers, got {spec!r}") from None
+        if not (rtol >= 0 and atol >= 0):
+            raise UsageError(f"--tol expects tolerances >= 0, got {spec!r}")
         out[name] = (rtol, atol)
     return out
 
@@ -104,7 +126,7 @@ def _run_child(label, interp, script_argv, spec, folder, args, env) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.wait()
             timed_out = True
-        except KeyboardInterrupt:
+        except BaseException:   # Ctrl-C, or SIGTERM/SIGHUP (Terminated): no orphaned script
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise
@@ -121,12 +143,7 @@ def _run_child(label, interp, script_argv, spec, folder, args, env) -> dict:
     return run
 
 
-def check(argv: list[str]) -> int:
-    if "--" in argv:
-        split = argv.index("--")
-        opts, command = argv[:split], argv[split + 1:]
-    else:
-        opts, command = argv, []
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchneuron check",
         usage="torchneuron check [options] -- python train.py ARGS...",
@@ -154,17 +171,82 @@ def check(argv: list[str]) -> int:
     p.add_argument("--fail-on", choices=("blocker", "warning", "never"), default="blocker",
                    help="exit with status 1 when the report has problems of this severity (default: blocker)")
     p.add_argument("-q", "--quiet", action="store_true", help="do not echo the script's output (logs are kept)")
+    return p
+
+
+def _validate(args) -> None:
+    """Every option checked before the script runs (a run can take hours)."""
+    import math
+    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be 0 or more, got {args.warmup}")
+    for name in ("rtol", "atol"):
+        value = getattr(args, name)
+        if not (value >= 0 and math.isfinite(value)):
+            raise UsageError(f"--{name} must be a finite number >= 0, got {value:g}")
+
+
+def _report_folder(path: str) -> str:
+    """The report folder, created and proven writable now rather than after the run."""
+    folder = os.path.abspath(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise UsageError(f"cannot write the report folder {folder} ({err.strerror or err}); "
+                         "choose another with -o/--output") from None
+    return folder
+
+
+def check(argv: list[str]) -> int:
+    # A SIGTERM/SIGHUP (CI timeouts, timeout(1), a closed terminal) stops the script with the CLI
+    # instead of orphaning it (it runs in its own session so that it can be killed as a group).
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _check(argv)
+    except UsageError as err:
+        print(f"torchneuron check: error: {err}", file=sys.stderr)
+        return UNUSABLE
+    except Terminated as stop:
+        print(f"torchneuron check: stopped by signal {stop.signum}; the script was stopped too.",
+              file=sys.stderr)
+        return 128 + stop.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _check(argv: list[str]) -> int:
+    if "--" in argv:
+        split = argv.index("--")
+        opts, command = argv[:split], argv[split + 1:]
+    else:
+        opts, command = argv, []
+    p = _parser()
     args = p.parse_args(opts)
     if not command:
         p.error("give the command to run after --, e.g. torchneuron check -- python train.py")
 
+    _validate(args)
+    tolerances = _parse_tolerances(args.tol)
     try:
         device_map = parse(args.device_map)
     except ValueError as err:
-        p.error(str(err))
+        raise UsageError(str(err)) from None
     interp, script_argv = _split_command(command)
-    folder = os.path.abspath(args.output)
-    os.makedirs(folder, exist_ok=True)
+    baseline = label = None
+    if args.baseline and args.baseline != "cpu":
+        try:
+            baseline, label = load_run(args.baseline)
+        except (OSError, ValueError, KeyError) as err:
+            raise UsageError(f"--baseline {args.baseline}: {getattr(err, 'strerror', None) or err}") from None
+    folder = _report_folder(args.output)
     env = dict(os.environ)
     # The child imports this very torchneuron, whatever the interpreter's own path says.
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,32 +263,34 @@ def check(argv: list[str]) -> int:
         warm = None
         if args.warm_start:
             warm = _run_child("warm", interp, script_argv, dict(spec), folder, args, env)
-        baseline = label = None
         if args.baseline == "cpu":
             bspec = dict(spec, role="baseline", device_map=compose(device_map, {"neuron": "cpu"}))
             baseline = _run_child("baseline", interp, script_argv, bspec, folder, args, env)
             label = "CPU run of the same script"
-        elif args.baseline:
-            baseline, label = load_run(args.baseline)
     finally:
         if cache_dir:
             shutil.rmtree(cache_dir, ignore_errors=True)
     options = {k: v for k, v in vars(args).items() if k not in ("quiet",)}
     report = analyze.build(run, baseline=baseline, warm=warm, warmup=args.warmup,
-                           tolerances=_parse_tolerances(args.tol), title=args.title, baseline_label=label,
+                           tolerances=tolerances, title=args.title, baseline_label=label,
                            options=options)
     report["command"] = [os.path.basename(interp[0]), *interp[1:], *script_argv]
-    files = render.write(report, folder)
+    try:
+        files = render.write(report, folder)
+    except OSError as err:
+        print(f"torchneuron check: error: the run finished but its report could not be written to "
+              f"{folder} ({err.strerror or err})", file=sys.stderr)
+        return UNUSABLE
     v = report["verdict"]
     print(f"\ntorchneuron check: {v['summary']}", file=sys.stderr)
     for f in report["findings"]:
         print(f"  [{f['severity']}] {f['title']}: {f['detail']}", file=sys.stderr)
     print("report: " + ", ".join(files.values()), file=sys.stderr)
     if args.fail_on == "never":
-        return 0
+        return READY
     if v["blockers"] or (args.fail_on == "warning" and v["warnings"]):
-        return 1
-    return 0
+        return BLOCKERS
+    return READY
 
 
 def env_command(argv: list[str]) -> int:

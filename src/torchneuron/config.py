@@ -1,13 +1,15 @@
 """All torchneuron settings in one place.
 
 Each field can be overridden by an environment variable ``TORCHNEURON_<FIELD>`` (upper case),
-read once when torchneuron is imported; code may also assign ``torchneuron.config.<field>``.
+read once when torchneuron is imported; code may also assign ``torchneuron.config.<field>``. Both
+are validated the same way (type, choices, range) and errors name the setting and its variable.
 ``docs/configuration.md`` documents every setting.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass, field
 
@@ -16,6 +18,7 @@ _CHOICES = {
     "float64": ("downcast", "error", "keep"),
     "eager_mode": ("plain", "adaptive"),
     "compile_fallback": ("error", "eager"),
+    "device_checks": ("deferred", "sync", "off"),
 }
 
 
@@ -24,13 +27,33 @@ def _default_cache_dir() -> str:
     return os.path.join(base, "torchneuron")
 
 
+# Integer settings and their smallest value.
+_MINIMUM = {"adaptive_max_ops": 1, "adaptive_segment_ops": 1, "adaptive_compile_after": 1}
+# Real-valued settings and their smallest value.
+_FLOAT_MINIMUM = {"adaptive_compile_budget": 0.0}
+# Settings that are on or off.
+_BOOL_FIELDS = {"cpu_async_dispatch"}
+# Choices compared without case or surrounding blanks.
+_NORMALISED = set(_CHOICES) | {"platform"}
+
 # Settings whose change must take effect at once (eager_mode switches the kernels' recorder).
 _OBSERVERS: dict = {}
+# Settings that may refuse a change (platform, once the runtime runs on one).
+_GUARDS: dict = {}
 
 
 def observe(name: str, callback) -> None:
     _OBSERVERS[name] = callback
     callback(getattr(config, name))
+
+
+def guard(name: str, check) -> None:
+    """``check(old, new)`` runs before ``name`` changes and raises to refuse the change."""
+    _GUARDS[name] = check
+
+
+def _variable(name: str) -> str:
+    return f"TORCHNEURON_{name.upper()}"
 
 
 @dataclass
@@ -56,6 +79,10 @@ class Config:
     adaptive_compile_budget: float = 0.1
     # torch.compile: an op without a lowering fails the compile, or the graph runs eagerly.
     compile_fallback: str = "error"
+    # PyTorch's checks that depend on tensor values (index bounds, integer division by zero): read
+    # at the next synchronisation point ("deferred"), right after each checked op ("sync"), or not
+    # compiled at all ("off").
+    device_checks: str = "deferred"
     # Persistent compilation cache for torch.compile executables ("" disables it).
     cache_dir: str = field(default_factory=_default_cache_dir)
     # When set, each compiled graph's FX code and StableHLO text are written here.
@@ -65,11 +92,10 @@ class Config:
     cpu_async_dispatch: bool = False
 
     def __setattr__(self, name, value):
-        if name in _CHOICES and value not in _CHOICES[name]:
-            raise ValueError(
-                f"torchneuron: config.{name} must be one of {_CHOICES[name]}, got {value!r} "
-                f"(environment variable TORCHNEURON_{name.upper()})"
-            )
+        value = _validated(name, value)
+        check = _GUARDS.get(name)
+        if check is not None and name in self.__dict__ and value != self.__dict__[name]:
+            check(self.__dict__[name], value)
         super().__setattr__(name, value)
         observer = _OBSERVERS.get(name)
         if observer is not None:
@@ -88,31 +114,63 @@ class Config:
     def from_env(cls, environ=os.environ) -> Config:
         cfg = cls()
         for f in dataclasses.fields(cls):
-            raw = environ.get(f"TORCHNEURON_{f.name.upper()}")
+            raw = environ.get(_variable(f.name))
             if raw is None:
                 continue
-            if f.type in ("int", int):
-                value = int(raw)
-            elif f.type in ("float", float):
-                value = float(raw)
-            elif f.type in ("bool", bool):
-                value = _parse_bool(f.name, raw)
-            elif f.name in _CHOICES or f.name == "platform":
-                value = raw.strip().lower()
-            else:
-                value = raw
+            value = raw
+            if f.name in _MINIMUM or f.name in _FLOAT_MINIMUM:
+                kind, what = (int, "an integer") if f.name in _MINIMUM else (float, "a number")
+                try:
+                    value = kind(raw.strip())
+                except ValueError:
+                    raise ValueError(f"torchneuron: {_variable(f.name)}={raw!r} is not {what} "
+                                     f"(config.{f.name}; default {f.default})") from None
+            elif f.name in _BOOL_FIELDS:
+                value = _BOOLS.get(raw.strip().lower())
+                if value is None:
+                    raise ValueError(f"torchneuron: {_variable(f.name)}={raw!r} must be one of 1/0, "
+                                     f"true/false, yes/no, on/off (config.{f.name}; default {f.default})")
             setattr(cfg, f.name, value)
         return cfg
 
 
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
 
-def _parse_bool(name: str, raw: str) -> bool:
-    value = _BOOLS.get(raw.strip().lower())
-    if value is None:
-        raise ValueError(f"torchneuron: TORCHNEURON_{name.upper()} must be one of 1/0, true/false, yes/no, "
-                         f"on/off, got {raw!r}")
+def _validated(name: str, value):
+    """``value`` as setting ``name`` holds it, or an error naming the setting and its variable."""
+    f = _FIELDS.get(name)
+    if f is None:
+        close = difflib.get_close_matches(name, _FIELDS, n=1)
+        raise AttributeError(f"torchneuron: config has no setting {name!r}"
+                             + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + f"; settings: {', '.join(_FIELDS)}")
+    where = f"config.{name} (environment variable {_variable(name)})"
+    if name in _BOOL_FIELDS:
+        if not isinstance(value, bool):
+            raise TypeError(f"torchneuron: {where} must be True or False, got {value!r}")
+        return value
+    if name in _FLOAT_MINIMUM:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"torchneuron: {where} must be a number, got {value!r}")
+        if not value >= _FLOAT_MINIMUM[name]:
+            raise ValueError(f"torchneuron: {where} must be at least {_FLOAT_MINIMUM[name]}, got {value}")
+        return float(value)
+    if name in _MINIMUM:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"torchneuron: {where} must be an integer, got {value!r}")
+        if value < _MINIMUM[name]:
+            raise ValueError(f"torchneuron: {where} must be at least {_MINIMUM[name]}, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"torchneuron: {where} must be a string, got {value!r}")
+    if name in _NORMALISED:
+        value = value.strip().lower()
+    if name in _CHOICES and value not in _CHOICES[name]:
+        raise ValueError(f"torchneuron: {where} must be one of {_CHOICES[name]}, got {value!r}")
+    if name == "platform" and not value:
+        raise ValueError(f"torchneuron: {where} must name a PJRT platform, e.g. 'cpu'")
     return value
 
 

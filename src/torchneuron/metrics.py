@@ -9,6 +9,17 @@ import copy
 from collections import Counter, defaultdict
 
 
+def op_key(qualified: str) -> str:
+    """How counters name an op: ATen overloads without their namespace ("add.Tensor"), any other
+    op in full ("mylib::scale"), so a custom op is never mistaken for an ATen one."""
+    return qualified[6:] if qualified.startswith("aten::") else qualified
+
+
+def op_label(key: str) -> str:
+    """The qualified name of a counter's op key, for messages and reports."""
+    return key if "::" in key else "aten::" + key
+
+
 class _Registry:
     # Set by torchneuron.profiler while a profiler session or readiness report is active; the
     # kernels, fallback and copies call it only then. Survives reset(), never in snapshots.
@@ -24,8 +35,8 @@ class _Registry:
         self.eager_compiles = Counter()    # why an eager op needed a new executable -> compiles
         self.eager_cache_loads = 0         # eager executables loaded from the persistent cache
         self.op_calls = Counter()          # ATen overload -> eager kernel calls
-        self.fallbacks = Counter()         # ATen overload -> CPU fallback runs
-        self.decompositions = Counter()    # ATen overload -> decomposition runs
+        self.fallbacks = Counter()         # op (see op_key) -> CPU fallback runs
+        self.decompositions = Counter()    # op (see op_key) -> decomposition runs
         self.float64_downcasts = Counter() # ATen overload -> float64 results run as float32
         # torchneuron.kernel custom ops: calls (neuron, CPU and compiled-graph runs) and the
         # executables compiled that contain them, by kernel name ("mylib::rms_norm").

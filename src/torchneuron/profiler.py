@@ -21,7 +21,7 @@ import torch
 import torch.autograd.profiler as autograd_profiler
 
 from .eager import kernel
-from .metrics import metrics
+from .metrics import metrics, op_key
 
 __all__ = ["enable", "disable", "reset", "stats", "summary", "is_enabled"]
 
@@ -98,7 +98,7 @@ class Tracer:
         Which of the two happened is read from the op's own counters afterwards, so the fallback
         code needs no knowledge of the tracer beyond the call at its entry.
         """
-        name = op.name().split("::", 1)[1]
+        name = op_key(op.name())
         col = self.collector
         rng = self._enter("neuron::fallback::" + name) if self.ranges else None
         cpu_before = metrics.fallbacks.get(name, 0)

@@ -7,8 +7,6 @@ package is cheap; Dynamo, AOTAutograd and the graph compiler load on the first c
 
 from __future__ import annotations
 
-import sys
-
 from . import dynamo_hooks
 
 
@@ -19,9 +17,8 @@ def neuron_backend(gm, example_inputs, **kwargs):
 
 
 # The entry point loads this module when torch.compile(backend="neuron") is called, before Dynamo
-# runs any frame: keep Dynamo out of torchneuron's own code from then on.
-dynamo_hooks.skip_own_frames()
-if "torch._dynamo" in sys.modules:
-    dynamo_hooks.install()
+# runs any frame: keep Dynamo out of torchneuron's own code from then on, and count graph breaks
+# from Dynamo's first frame on (now, or as soon as Dynamo loads).
+dynamo_hooks.install()
 
 __all__ = ["neuron_backend"]

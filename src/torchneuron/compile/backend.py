@@ -24,8 +24,11 @@ from ..config import config
 from ..metrics import metrics
 from ..ops import registry
 from ..ops.signature import mutates, registry_name
+from ..runtime import fork
 from . import dynamo_hooks
 from .graph import GraphProgram
+
+fork.forbid(GraphProgram, "__call__", "running a torch.compile graph")
 
 _OPTIONS = ("fallback", "dump_dir")
 _graph_ids = itertools.count()

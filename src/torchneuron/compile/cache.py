@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import threading
+import warnings
 
 import jax
 from jax._src import compilation_cache
@@ -27,7 +29,8 @@ from ..runtime import executable_store
 
 _tls = threading.local()
 _lock = threading.Lock()
-_configured_dir: str | None = None     # what we last gave JAX ("" for off)
+_configured_dir: str | None = None     # the config.cache_dir last configured
+_active_dir = ""                        # the folder JAX was given ("" for off)
 _listening = False
 
 
@@ -47,27 +50,51 @@ def _on_event(event: str, **_kwargs) -> None:
 
 
 def _configure() -> str:
-    """Point JAX's persistent cache at config.cache_dir (again, if the setting changed)."""
-    global _configured_dir, _listening
+    """Point JAX's persistent cache at config.cache_dir (again, if the setting changed); returns
+    the folder in use ("" when caching is off or the folder is unusable)."""
+    global _configured_dir, _active_dir, _listening
     want = config.cache_dir or ""
     with _lock:
         if not _listening:
             jax.monitoring.register_event_listener(_on_event)
             _listening = True
         if want == _configured_dir:
-            return want
-        current = jax.config.jax_compilation_cache_dir
-        if _configured_dir is None and current and not want:
+            return _active_dir
+        first, _configured_dir = _configured_dir is None, want
+        if first and jax.config.jax_compilation_cache_dir and not want:
             # The user set up JAX's cache themselves and turned ours off: leave theirs alone.
-            _configured_dir = want
-            return want
-        if want:
-            os.makedirs(want, exist_ok=True)
+            _active_dir = ""
+            return _active_dir
+        if want and not usable_dir(want, "compile cache", "TORCHNEURON_CACHE_DIR",
+                                   "compiled graphs are not kept on disk"):
+            want = ""
         jax.config.update("jax_compilation_cache_dir", want or None)
         # JAX opens its cache once per process; make it reopen at the new place.
         compilation_cache.reset_cache()
-        _configured_dir = want
+        _active_dir = want
     return want
+
+
+_unusable: dict = {}   # directory -> why it cannot be used (each warned about once)
+
+
+def usable_dir(directory: str, what: str, variable: str, consequence: str) -> bool:
+    """Whether ``directory`` exists (or can be created) and takes files. The caches and dumps are
+    optional: an unusable folder (a read-only HOME, a path under a file) is one warning, not an
+    error that stops torch.compile."""
+    if directory in _unusable:
+        return False
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+        return True
+    except OSError as err:
+        _unusable[directory] = err
+        warnings.warn(
+            f"torchneuron: the {what} folder {directory!r} cannot be used ({err.strerror or err}); "
+            f"{consequence}. Set {variable} to a writable folder (\"\" turns it off).", stacklevel=3)
+        return False
 
 
 @contextlib.contextmanager
@@ -90,9 +117,17 @@ def graph_compile_context():
 def dump(name: str, gm, lowered, specs, dump_dir: str | None = None) -> None:
     """Write the graph's FX code and StableHLO text to dump_dir (config.dump_dir by default)."""
     directory = dump_dir or config.dump_dir
-    if not directory:
+    if not directory or not usable_dir(directory, "dump", "TORCHNEURON_DUMP_DIR",
+                                       "graphs are compiled without writing their dumps"):
         return
-    os.makedirs(directory, exist_ok=True)
+    try:
+        _write_dump(directory, name, gm, lowered, specs)
+    except OSError as err:   # e.g. the disk filled up: the compile itself is fine
+        warnings.warn(f"torchneuron: could not write the dump of graph {name} to {directory!r}: {err}",
+                      stacklevel=2)
+
+
+def _write_dump(directory, name, gm, lowered, specs) -> None:
     with open(os.path.join(directory, f"{name}.fx.py"), "w") as f:
         f.write(f"# torchneuron torch.compile graph {name}\n")
         f.write("# input signature (dtype, sizes, strides, storage offset (None: a runtime input), "

@@ -10,9 +10,10 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import sys
 import types
-from collections import Counter
 
 from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
@@ -73,15 +74,13 @@ def _reason(message: str) -> str:
     return first[:200]
 
 
-def _for_neuron() -> bool:
-    """True while Dynamo is tracing a frame whose backend is the neuron backend."""
+def _compiles_for_neuron(tx) -> bool:
+    """True when the frame ``tx`` traces is compiled by the neuron backend."""
     try:
         # torch._dynamo (seconds to import) is loaded by then: a frame is being traced.
         from torch._dynamo.eval_frame import innermost_backend
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        tx = InstructionTranslator.current_tx()
         fn = innermost_backend(tx.output.compiler_fn)
-    except Exception:  # noqa: BLE001 - no frame being traced
+    except Exception:  # noqa: BLE001 - not a frame being traced
         return False
     # compile/__init__.py imports this module, and backend.py loads Dynamo: both only when tracing.
     from . import neuron_backend
@@ -90,24 +89,57 @@ def _for_neuron() -> bool:
     return fn is neuron_backend or fn is impl
 
 
-class _BreakCounter(Counter):
-    """Dynamo's ``counters["graph_break"]``, also counting neuron graphs' breaks in our metrics."""
+def _counting_log_graph_break(log_graph_break):
+    """Dynamo logs every graph break it makes exactly once through ``log_graph_break`` (unsupported
+    calls, explicit ``graph_break()``, data-dependent branches such as ``if x.sum() > 0:``): count
+    the breaks of neuron frames there, keyed by the first line of their reason."""
+    def counted(self, code_options, reason, exc):
+        if not getattr(exc, "logged", False) and _compiles_for_neuron(self):
+            metrics.graph_breaks[_reason(getattr(exc, "msg", None) or reason)] += 1
+        return log_graph_break(self, code_options, reason, exc)
+    counted._torchneuron_counts = True
+    return counted
 
-    def __setitem__(self, key, value):
-        delta = value - self.get(key, 0)
-        super().__setitem__(key, value)
-        if delta > 0 and _for_neuron():
-            metrics.graph_breaks[_reason(key)] += delta
+
+_SYMBOLIC_CONVERT = "torch._dynamo.symbolic_convert"
+
+
+def _count_breaks(symbolic_convert) -> None:
+    tx_class = symbolic_convert.InstructionTranslatorBase
+    if not getattr(tx_class.log_graph_break, "_torchneuron_counts", False):
+        tx_class.log_graph_break = _counting_log_graph_break(tx_class.log_graph_break)
+
+
+class _CountOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Installs the graph-break counter the moment Dynamo's tracer is imported: torchneuron.compile
+    may be imported first (the profiler and the readiness report do), and the first frame a
+    ``torch.compile`` traces must already be counted."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _SYMBOLIC_CONVERT:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            self.loader = spec.loader
+            spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        _count_breaks(module)
 
 
 def install() -> None:
     skip_own_frames()
-    if "torch._dynamo" not in sys.modules:
-        return
-    from torch._dynamo.utils import counters  # loaded already (checked above)
-    current = counters.get("graph_break")
-    if not isinstance(current, _BreakCounter):
-        counters["graph_break"] = _BreakCounter(current or {})
+    module = sys.modules.get(_SYMBOLIC_CONVERT)
+    if module is not None:
+        _count_breaks(module)
+    elif not any(isinstance(f, _CountOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _CountOnImport())
 
 
 _last_compile = None

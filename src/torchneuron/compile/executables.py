@@ -17,19 +17,20 @@ from . import cache
 
 
 class Executable:
-    __slots__ = ("call", "n_new", "n_host", "writes", "host_writes", "name")
+    __slots__ = ("call", "n_new", "n_host", "writes", "host_writes", "name", "checks")
 
-    def __init__(self, call, n_new, n_host, writes, host_writes, name):
+    def __init__(self, call, n_new, n_host, writes, host_writes, name, checks=()):
         self.call = call
         self.n_new = n_new              # new device outputs, first in the results
         self.n_host = n_host            # then outputs that live on the CPU
         self.writes = writes            # then new buffers of written storages (slot indices)
         self.host_writes = host_writes  # then new values of mutated CPU inputs (input indices)
         self.name = name
+        self.checks = checks            # then, if any, the outcome of these ((check, op), ...)
 
     def meta(self) -> dict:
         return {"n_new": self.n_new, "n_host": self.n_host, "writes": self.writes,
-                "host_writes": self.host_writes, "name": self.name}
+                "host_writes": self.host_writes, "name": self.name, "checks": self.checks}
 
 
 # (graph hash, input signature, device) -> executable, shared by every GraphProgram in the process.
@@ -67,7 +68,7 @@ def cached(graph_hash, key, device_index, need_trace: bool):
     metrics.extra["graph_persistent_cache_hits"] += 1
     metrics.extra["graph_index_hits"] += 1
     exe = Executable(compiled, meta["n_new"], meta["n_host"], tuple(meta["writes"]),
-                     tuple(meta["host_writes"]), meta["name"])
+                     tuple(meta["host_writes"]), meta["name"], tuple(meta.get("checks", ())))
     _shared[shared_key] = exe
     return exe
 

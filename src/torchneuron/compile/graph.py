@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import sys
 import threading
 import warnings
 
@@ -32,7 +33,7 @@ import torch
 from ..config import config
 from ..metrics import metrics
 from ..ops.signature import registry_name, signature_for
-from ..runtime import memory, rng, transfers
+from ..runtime import deferred, memory, rng, sites, transfers
 from ..runtime.device import current_device
 from . import cache, custom_kernels, executables
 from .errors import NeuronCompileError, NodeFailure, lowering_error, metric_name
@@ -84,6 +85,8 @@ class GraphProgram:
         # (JAX's own cache, keyed by the traced program, still applies).
         self.custom_kernels = [k.name for k in custom_kernels.kernels_in(self.steps)]
         self.output_plan = OutputPlan(self.placeholders, self.output_node)
+        # Device checks (ops/checks.py) are compiled into the graph as they are set now.
+        self.device_checks = config.device_checks
         self.graph_hash = self._hash()
 
     # -- planning ----------------------------------------------------------------------------------
@@ -145,7 +148,7 @@ class GraphProgram:
             h.update(node.name.encode())
             h.update(str((value.dtype, value.shape)).encode())
             h.update(np.ascontiguousarray(value).tobytes())
-        h.update(f"{self.kind}|{config.float64}".encode())
+        h.update(f"{self.kind}|{config.float64}|{self.device_checks}".encode())
         h.update(custom_kernels.fingerprint(custom_kernels.kernels_in(self.steps)).encode())
         return h.hexdigest()
 
@@ -202,6 +205,12 @@ class GraphProgram:
             _records[addrs[slot]].buf = results[k]
             k += 1
         host_writes = list(results[k:k + len(exe.host_writes)])
+        if exe.checks:   # the outcome of the graph's device checks, last
+            outcome = results[k + len(exe.host_writes)]
+            if self.device_checks == "sync":
+                deferred.check_now(outcome, exe.checks)
+            else:
+                deferred.defer(outcome, exe.checks, sites.place(sys._getframe()))
         if host_vals or host_writes:
             fetched = jax.device_get(host_vals + host_writes)
             for a in fetched:
@@ -237,7 +246,7 @@ class GraphProgram:
         name = f"{self.name}_{self.graph_hash[:12]}_{executables.digest(key)[:8]}"
         cache.dump(name, self.gm, lowered, specs, self.dump_dir)
         exe = executables.Executable(compiled, len(self.output_plan.buffers), len(self.output_plan.host_outputs),
-                                     fn.writes, fn.host_writes, name)
+                                     fn.writes, fn.host_writes, name, fn.checks)
         if not jax_cache_hits:
             metrics.custom_kernel_compiles.update(set(self.custom_kernels))
         executables.remember(self.graph_hash, key, device_index, exe, compiled, from_jax_cache=bool(jax_cache_hits),

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import torch
 
 from ..metrics import metrics
+from ..ops import checks
 from ..ops.signature import cast, cast_and_broadcast, read_input
 from ..runtime import layout, memory, transfers
 from ..runtime.device import device_mismatch_error
@@ -108,6 +109,8 @@ class Interpreter:
         self.nbufs = nbufs
         self.writes = ()
         self.host_writes = ()
+        # After tracing: ((check, op), ...) of the device checks whose outcome is the last result.
+        self.checks = ()
 
     def __call__(self, *flat):
         p = self.p
@@ -131,13 +134,20 @@ class Interpreter:
             base_key = jax.random.fold_in(jax.random.key(seed), offset)
         self.mutations = {}
         self.ph_index = {ph: i for i, ph in enumerate(p.placeholders)}
-        for n, step in enumerate(p.steps):
-            try:
-                self._run(step, env, base_key, n)
-            except NodeFailure:
-                raise
-            except Exception as err:  # noqa: BLE001 - reported with the node that failed
-                raise NodeFailure(step.node, err) from err
+        found = []
+        with checks.collecting() if p.device_checks != "off" else checks.suspended() as sink:
+            for n, step in enumerate(p.steps):
+                before = len(sink) if sink is not None else 0
+                try:
+                    self._run(step, env, base_key, n)
+                except NodeFailure:
+                    raise
+                except Exception as err:  # noqa: BLE001 - reported with the node that failed
+                    raise NodeFailure(step.node, err) from err
+                if sink is not None and len(sink) > before:
+                    op = step.signature.name if step.kind != "foreach" else str(step.node.target)
+                    found.extend((entry, op) for entry in sink[before:])
+        self.checks = tuple((entry[-1], op) for entry, op in found)
         outputs = []
         for kind, what, dtype, sizes, strides in p.output_plan.buffers:
             if kind == "node":
@@ -167,7 +177,8 @@ class Interpreter:
         self.writes = tuple(new_bufs)
         self.host_writes = tuple(i for i, _ in host_writes)
         return (tuple(outputs) + tuple(host) + tuple(new_bufs[s] for s in self.writes)
-                + tuple(v for _, v in host_writes))
+                + tuple(v for _, v in host_writes)
+                + ((checks.pack([entry for entry, _ in found]),) if found else ()))
 
     # -- one node ----------------------------------------------------------------------------------
     def _run(self, step, env, base_key, n):
@@ -190,6 +201,7 @@ class Interpreter:
         sig = step.signature
         values = sig.bind(node.args, node.kwargs, missing=None)
         metas = [meta_of(v) for v in values]
+        sig.check_dtypes(metas)
         arrays = [_lookup(v, env) for v in values]
         if sig.name == "aten::as_strided":
             arrays[0], runtime_offset = self._storage_of(values[0], arrays[0])

@@ -34,6 +34,11 @@ hashing. A call that does not match ends the replay; the op then takes the full 
 
 Scalars and RNG offsets stay runtime inputs, so values, in-place effects, views, autograd, RNG
 streams and memory statistics are those of plain eager.
+
+Device checks (``ops/checks.py``: index bounds, integer division by zero). A recorded op whose
+executable may check values keeps its user call site; whether it runs op by op or inside a fused
+segment (which returns the check outcomes after its results), every outcome is reported after the
+region ran, in op order, with the site of that occurrence -- as plain eager reports them.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import contextlib
 import operator
 import os
 import queue
+import sys
 import threading
 import time
 
@@ -54,7 +60,7 @@ import torch
 from ..config import config
 from ..metrics import metrics
 from ..ops.signature import OPT_TENSOR_LIST, TENSOR_LIST
-from ..runtime import memory, rng
+from ..runtime import memory, rng, sites
 from ..runtime.dtypes import jax_dtype
 from ..runtime.values import offset_array, scalar_array
 from . import kernel
@@ -91,6 +97,7 @@ class Region:
         self.external = []       # buffers read from storages that existed before the region
         self.external_sids = []
         self.results = set()     # storage ids whose buffer the region produces (outputs, writes)
+        self.sites = {}          # op position -> user call site, for ops that may have device checks
         self.device = None
         self.cursor = cursor     # the plan this region is predicted to repeat, while calls match it
         self.pos = 0             # how many of its ops were replayed
@@ -153,6 +160,8 @@ class Region:
             for sid in check.written:
                 _records[addr_of[sid]].buf = PENDING
                 results.add(sid)
+            if check.maybe_checked:
+                self.sites[len(self.ops)] = sites.place(sys._getframe())
             self.ops.append(check.entry)
             self.device = check.device
             self.pos = pos + 1
@@ -331,6 +340,9 @@ class Region:
                 _records[ctx.addrs[slot]].buf = PENDING
                 self.results.add(input_sids[slot])
             entry = (exe, input_sids, out_sids, len(ctx.runtime))
+            checks = exe.traced.checks   # known once the executable was traced (None: not yet)
+            if checks is None or checks:
+                self.sites[len(self.ops)] = sites.place(sys._getframe())
             self.ops.append(entry)
             self.runtime.extend(ctx.runtime)
             self.device = device
@@ -351,7 +363,8 @@ class Region:
         with self.lock:
             if not self.ops:
                 return
-            ops, runtime, addr_of, records = self.ops, self.runtime, self.addr_of, _records
+            ops, runtime, addr_of, records, op_sites = self.ops, self.runtime, self.addr_of, _records, self.sites
+            memory.allocator.collect()   # storages freed since the last allocation need no result
             live = [sid for sid in self.results if addr_of[sid] in records]
             live.sort()
             live = tuple(live)
@@ -367,8 +380,9 @@ class Region:
             metrics.regions_flushed += 1
             metrics.region_ops += len(ops)
             metrics.flush_reasons[reason] += 1
+            outcomes = []
             try:
-                results = _run(plan, external, runtime)
+                results = _run(plan, external, runtime, outcomes)
             except BaseException as err:
                 # Reads of what the region would have produced raise instead of seeing PENDING.
                 failed = memory.Unavailable(f"{type(err).__name__}: {err}".splitlines()[0])
@@ -387,6 +401,10 @@ class Region:
             self.prev = plan
             _starts[ops[0][0]] = plan
             self.cursor = plan.next
+            # The outcomes of the ops' device checks, in op order (a "sync" error raises here, once
+            # the region's results are in place).
+            for n, outcome in outcomes:
+                ops[n][0].traced.report(outcome, op_sites.get(n))
 
 
 _traced_once: set = set()   # new executables seen at a recorded call
@@ -419,15 +437,20 @@ def _trace_now(k, exe, values, ctx):
 class Segment:
     """Consecutive ops of a plan compiled as one fused executable."""
 
-    __slots__ = ("ops", "in_sids", "out_sids", "rt_start", "rt_stop", "carry", "fn", "state", "error")
+    __slots__ = ("ops", "start", "in_sids", "out_sids", "rt_start", "rt_stop", "carry", "fn", "checked", "state",
+                 "error")
 
-    def __init__(self, ops, in_sids, rt_start, rt_stop):
+    def __init__(self, ops, start, in_sids, rt_start, rt_stop):
         self.ops = ops
+        self.start = start          # the position of its first op in the plan
         self.in_sids = in_sids      # storages it reads that earlier segments or the caller provide
         self.out_sids = ()          # storages it produces that later segments read or that stay alive
         self.rt_start, self.rt_stop = rt_start, rt_stop
         self.carry = ()             # storages whose buffers are needed after it
         self.fn = None              # the fused executable, once compiled
+        # Positions (in the segment) of the ops whose device-check outcomes ``fn`` returns after
+        # the buffers of ``out_sids``, in op order: known once it was traced.
+        self.checked = ()
         self.state = None           # None, "compiling", "ready" or "compile failed"
         self.error = None
 
@@ -467,7 +490,7 @@ class _OpCheck:
     ids each tensor must sit on, and what the op writes."""
 
     __slots__ = ("entry", "exe", "kernel", "statics", "args", "storages", "device", "default_dtype", "random",
-                 "factory", "written")
+                 "factory", "written", "maybe_checked")
 
     def __init__(self, entry):
         exe, input_sids, _, _ = entry
@@ -498,6 +521,10 @@ class _OpCheck:
         # No tensor inputs: the device argument (else the current device) decides the key's device.
         self.factory = not _reads_storage(specs)
         self.written = tuple(input_sids[slot] for slot in exe.writes)
+        # Whether a replayed call keeps its call site for device-check errors (checks are known
+        # once the executable was traced, which a plan's first run does).
+        checks = exe.traced.checks
+        self.maybe_checked = checks is None or bool(checks)
 
 
 def _segments(ops, live, size):
@@ -514,7 +541,7 @@ def _segments(ops, live, size):
             produced.update(sid for sid in out_sids if sid is not None)
             produced.update(input_sids[slot] for slot in exe.writes)
             n += n_runtime
-        seg = Segment(chunk, tuple(reads), rt, rt + n)
+        seg = Segment(chunk, start, tuple(reads), rt, rt + n)
         seg.carry = produced            # replaced below: what is needed after it
         segments.append(seg)
         rt += n
@@ -556,14 +583,19 @@ def _churning() -> bool:
     return len(_recent) == _recent.maxlen and sum(_recent) >= _recent.maxlen * 3 // 4
 
 
-def _run(plan, external, runtime):
+def _run(plan, external, runtime, outcomes):
     """Run one occurrence of ``plan``: each segment fused if its executable is ready, else op by op
-    (queuing its compile when the plan has repeated enough). Returns the buffers of ``plan.live``."""
+    (queuing its compile when the plan has repeated enough). Returns the buffers of ``plan.live``;
+    appends (op position, outcome) of the ops' device checks to ``outcomes``, in op order."""
     plan.seen += 1
-    fn = plan.direct.fn if plan.direct is not None else None
+    direct = plan.direct
+    fn = direct.fn if direct is not None else None
     if fn is not None:   # one fused executable taking the region's inputs, returning its results
         metrics.region_cache_hits += 1
-        return fn(*external, *runtime)
+        results = fn(*external, *runtime)
+        if direct.checked:
+            outcomes.extend(zip(direct.checked, results[len(plan.live):]))
+        return results
     current = dict(zip(plan.external_sids, external))
     split = len(plan.segments) > 1
     for seg in plan.segments:
@@ -571,7 +603,12 @@ def _run(plan, external, runtime):
         fn = seg.fn
         if fn is not None:
             metrics.region_cache_hits += 1
-            current.update(zip(seg.out_sids, fn(*[current[sid] for sid in seg.in_sids], *rt)))
+            results = fn(*[current[sid] for sid in seg.in_sids], *rt)
+            current.update(zip(seg.out_sids, results))
+            if seg.checked:
+                start = seg.start
+                outcomes.extend((start + n, outcome)
+                                for n, outcome in zip(seg.checked, results[len(seg.out_sids):]))
         else:
             reason = seg.state
             if reason is None:
@@ -585,16 +622,21 @@ def _run(plan, external, runtime):
                     reason = "compiling"
                     _submit(seg, plan.device, [current[sid] for sid in seg.in_sids] + list(rt))
             metrics.region_unfused[reason] += 1
-            _interpret(seg.ops, current, rt, _run_op)
+            found = _interpret(seg.ops, current, rt, _run_op)
+            if found:
+                start = seg.start
+                outcomes.extend((start + n, outcome) for n, outcome in found)
         if split:
             current = {sid: current[sid] for sid in seg.carry}
     return [current[sid] for sid in plan.live]
 
 
 def _interpret(ops, current, runtime, call):
-    """Run recorded ops in order on the buffers in ``current`` (storage id -> buffer), in place."""
+    """Run recorded ops in order on the buffers in ``current`` (storage id -> buffer), in place.
+    Returns [(op position, outcome)] of the ops with device checks (their executables' last result)."""
     position = 0
-    for exe, input_sids, out_sids, n_runtime in ops:
+    found = []
+    for n, (exe, input_sids, out_sids, n_runtime) in enumerate(ops):
         results = call(exe, [current[sid] for sid in input_sids], runtime[position:position + n_runtime])
         position += n_runtime
         k = 0
@@ -605,6 +647,9 @@ def _interpret(ops, current, runtime, call):
         for slot in exe.writes:
             current[input_sids[slot]] = results[k]
             k += 1
+        if exe.traced.checks:   # known once traced: by the call just made
+            found.append((n, results[k]))
+    return found
 
 
 def _run_op(exe, bufs, runtime):
@@ -628,8 +673,9 @@ def _fused(seg, device):
 
     def run(*flat):
         current = dict(zip(in_sids, flat[:n_in]))
-        _interpret(ops, current, flat[n_in:], _trace_op)
-        return tuple(current[sid] for sid in out_sids)
+        found = _interpret(ops, current, flat[n_in:], _trace_op)
+        seg.checked = tuple(n for n, _ in found)   # before seg.fn is set: the caller reads both
+        return tuple(current[sid] for sid in out_sids) + tuple(outcome for _, outcome in found)
 
     return jax.jit(run, out_shardings=kernel._sharding(device))
 
@@ -824,6 +870,19 @@ def eager_mode(mode: str):
         yield
     finally:
         set_eager_mode(previous)
+
+
+def device_checks_changed(mode: str) -> None:
+    """Executables compile their device checks in (or not): forget the eager executables and the
+    region plans built from them when ``config.device_checks`` changes (installed as its observer by
+    ``torchneuron.register``)."""
+    flush("settings change")
+    with region.lock:
+        kernel.clear_cache()
+        _plans.clear()
+        _starts.clear()
+        _traced_once.clear()
+        region.prev = region.cursor = None
 
 
 def clear_region_cache() -> None:

@@ -18,12 +18,12 @@ from torch._decomp import decomposition_table
 from torch.utils._pytree import tree_map
 
 from ..config import config
-from ..metrics import metrics
+from ..metrics import metrics, op_key
 from ..ops.signature import OpSignature, functional_of, out_names
 from ..runtime import memory
 from ..runtime.device import current_device
 from .kernel import describe_args
-from .out_variants import write_out
+from .out_variants import check_out_devices, write_out
 
 _tls = threading.local()
 _warned: set[str] = set()
@@ -94,7 +94,7 @@ def _neuron_fallback(op, *args, **kwargs):
         decomp = decomposition_table.get(op)
         active = _active()
         if decomp is not None and op not in active:
-            metrics.decompositions[name.split("::", 1)[1]] += 1
+            metrics.decompositions[op_key(name)] += 1
             active.add(op)
             try:
                 return decomp(*args, **kwargs)
@@ -122,7 +122,7 @@ def _out_via_functional(op, functional, args, kwargs):
     # (decomposed into lowered ops) and write the result into the caller's out tensors.
     kwargs = dict(kwargs)
     outs = [kwargs.pop(n) for n in out_names(op)]
-    metrics.decompositions[functional.name().split("::", 1)[1]] += 1
+    metrics.decompositions[op_key(functional.name())] += 1
     active = _active()
     active.add(functional)
     try:
@@ -130,9 +130,24 @@ def _out_via_functional(op, functional, args, kwargs):
     finally:
         active.discard(functional)
     results = result if isinstance(result, tuple) else (result,)
+    check_out_devices(outs, results[0].device)
     for out, value in zip(outs, results):
         write_out(out, value, op.name())
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _signature(op) -> OpSignature:
+    sig = _signatures.get(op)
+    if sig is None:
+        sig = _signatures[op] = OpSignature(op, None)
+    return sig
+
+
+def _check_written_devices(op, args, kwargs, device) -> None:
+    """Tensors the op writes (out=, in-place) live on its device, as on CUDA: the CPU run would
+    otherwise write a CPU out= tensor directly and hide the transfer."""
+    sig = _signature(op)
+    check_out_devices([t for _, _, t in sig.mutated_tensors(sig.bind(args, kwargs, missing=None))], device)
 
 
 def _keep_out_shape(op, args, kwargs):
@@ -156,7 +171,7 @@ def _keep_out_shape(op, args, kwargs):
 
 def cpu_fallback(op, args, kwargs):
     name = op.name()
-    short = name.split("::", 1)[1]
+    short = op_key(name)
     if config.fallback == "error":
         raise FallbackError(
             f"torchneuron: {name} has no neuron lowering and no decomposition, and "
@@ -174,6 +189,7 @@ def cpu_fallback(op, args, kwargs):
             stacklevel=_caller_stacklevel(),
         )
     device = _device_of(args, kwargs)
+    _check_written_devices(op, args, kwargs, device)
     originals = {}
 
     def to_cpu(v):
@@ -192,9 +208,7 @@ def cpu_fallback(op, args, kwargs):
     result = op(*cpu_args, **cpu_kwargs)
 
     # In-place and out= effects travel back into the caller's neuron tensors.
-    sig = _signatures.get(op)
-    if sig is None:
-        sig = _signatures[op] = OpSignature(op, None)
+    sig = _signature(op)
     for _, _, cpu_t in sig.mutated_tensors(sig.bind(cpu_args, cpu_kwargs, missing=None)):
         target = originals.get(id(cpu_t))
         if target is not None:

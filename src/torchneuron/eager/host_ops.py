@@ -30,43 +30,58 @@ def nonzero(self: torch.Tensor) -> torch.Tensor:
     return _upload_int64(positions.reshape(positions.shape[0], host.ndim), self.device.index or 0)
 
 
-def _expand_bool_indices(self, indices):
-    """Replace boolean masks by the integer index tensors they select (PyTorch semantics)."""
+def _device_indices(self, indices):
+    """Index tensors as the lowering takes them: every one on ``self``'s device, masks replaced by
+    the integer positions they select (PyTorch semantics). As on CUDA, index tensors and masks may
+    live on the CPU: a CPU mask is read where it is (no device round trip), a CPU index moves."""
     out = []
     for idx in indices:
         if idx is not None and idx.dtype == torch.uint8:
             warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool "
                           "instead.", UserWarning, stacklevel=3)   # ATen's warning
-        if idx is not None and idx.dtype in (torch.bool, torch.uint8):
-            positions = nonzero(idx)
+        if idx is None:
+            out.append(None)
+        elif idx.dtype in (torch.bool, torch.uint8):
+            if idx.device.type == "neuron":
+                positions = nonzero(idx)
+            else:
+                positions = _upload_int64(np.stack(np.nonzero(idx.numpy()), axis=1).reshape(-1, idx.dim()),
+                                          self.device.index or 0)
             out.extend(positions[:, d] for d in range(idx.dim()))
+        elif idx.device.type != "neuron" and idx.dim():
+            out.append(idx.to(self.device))   # a 0-d CPU index is a runtime scalar already
         else:
             out.append(idx)
     return out
 
 
-def _has_mask(indices) -> bool:
-    return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
+def _needs_host_work(indices) -> bool:
+    """Masks (data-dependent shapes) or index tensors that are not on the device."""
+    return any(i is not None and (i.dtype in (torch.bool, torch.uint8) or i.device.type != "neuron")
+               for i in indices)
 
 
 def make_index(kernel):
     def index(self, indices):
-        if _has_mask(indices):
-            indices = _expand_bool_indices(self, indices)
+        if _needs_host_work(indices):
+            indices = _device_indices(self, indices)
         return kernel(self, indices)
     return index
 
 
 def make_index_put(kernel, masked_fill_kernel):
     def index_put(self, indices, values, accumulate=False, *rest):
-        if _has_mask(indices):
+        if values.device != self.device and values.dim() == 0:
+            values = values.to(self.device)   # as ATen's index_put_: a 0-d value may live anywhere
+        if _needs_host_work(indices):
             masks = [i for i in indices if i is not None]
             # x[mask] = scalar-like: a select, no host round trip.
             if (len(masks) == 1 and indices[0] is not None and not accumulate and values.numel() == 1
                     and masks[0].dtype == torch.bool and masks[0].dim() <= self.dim()):
-                mask = masks[0].reshape(tuple(masks[0].shape) + (1,) * (self.dim() - masks[0].dim()))
+                mask = masks[0].to(self.device)
+                mask = mask.reshape(tuple(mask.shape) + (1,) * (self.dim() - mask.dim()))
                 return masked_fill_kernel(self, mask, values.reshape(()))
-            indices = _expand_bool_indices(self, indices)
+            indices = _device_indices(self, indices)
         return kernel(self, indices, values, accumulate, *rest)
     return index_put
 

@@ -6,10 +6,14 @@ Every lowered ATen overload gets a ``Kernel``. A call:
    strides, offset and storage (``Scalar``s contribute only their Python type: their values are
    runtime inputs, so a new learning rate compiles nothing);
 2. on a miss, runs the op on ``meta`` tensors (PyTorch's own shape/dtype rules and error
-   messages), applies the float64 policy, traces the lowering between "read each input view from
-   its storage buffer" and "write outputs/mutations back", and compiles it with ``jax.jit``;
+   messages), applies the rules for written tensors meta kernels miss (device, in-place casting,
+   overlap; CPU's own error where meta and CPU disagree: ``eager/oracle.py``), applies the
+   float64 policy, traces the lowering between "read each input view from its storage buffer" and
+   "write outputs/mutations back" (plus the outcome of its device checks, ``ops/checks.py``), and
+   compiles it with ``jax.jit``;
 3. runs the executable on the storages' flat buffers and wraps fresh output buffers as neuron
-   tensors, or replaces the buffers of mutated storages.
+   tensors, or replaces the buffers of mutated storages; a device-check outcome goes to
+   ``runtime/deferred.py``, read at the next synchronisation point.
 
 What the schema says (argument kinds, binding, mutated arguments, returns), promotion and how the
 lowering is called come from ``ops.signature``, shared with torch.compile graphs; this module adds
@@ -18,6 +22,7 @@ the cache key and the executable.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 
@@ -28,7 +33,7 @@ from jax._src import config as jax_config
 
 from ..config import config, observe
 from ..metrics import metrics
-from ..ops import cpu_dtypes
+from ..ops import checks, cpu_dtypes
 from ..ops.registry import InvalidArguments, NotImplementedForDtype
 from ..ops.signature import (
     OPT_SCALAR,
@@ -41,16 +46,18 @@ from ..ops.signature import (
     cast_and_broadcast,
     read_input,
 )
-from ..runtime import executable_store, layout, memory, pjrt, rng
+from ..runtime import deferred, executable_store, layout, memory, pjrt, rng, sites
 from ..runtime.device import current_device, device_mismatch_error
-from ..runtime.dtypes import device_dtype, jax_dtype, torch_dtype
+from ..runtime.dtypes import device_dtype, dtype_name, jax_dtype, torch_dtype
 from ..runtime.values import offset_array, scalar_array
+from . import oracle
 
 _records = memory.allocator.records
 
 
 class Executable:
-    __slots__ = ("traced", "call", "out_specs", "outputs", "writes", "op_name", "key", "reason", "single")
+    __slots__ = ("traced", "call", "out_specs", "outputs", "writes", "op_name", "key", "reason", "single",
+                 "single_checked")
 
     def __init__(self, traced, out_specs, writes, op_name, key=None, reason=None):
         self.traced = traced          # the pure function of (buffers..., runtime values...)
@@ -63,6 +70,13 @@ class Executable:
         self.key = key                # the cache key (what decides this program)
         self.reason = reason          # why it was needed: "new op", "new shape", ...
         self.single = False           # the op returns exactly one new output and writes nothing
+        self.single_checked = False   # the same, plus the outcome of its device checks (ops/checks)
+
+    def split_single(self) -> None:
+        """Once its device checks are known (traced or loaded): their outcome is one more result,
+        so a checked single-output op takes its own shortcut."""
+        if self.single and self.traced.checks:
+            self.single, self.single_checked = False, True
 
 
 # The adaptive-eager recorder while that mode is on (see eager/adaptive.py), else None.
@@ -169,6 +183,9 @@ class Kernel(OpSignature):
         device_index = ctx.device_index
         if exe.single:   # one new output, nothing written: most ops
             return memory.allocator.new_output(exe.outputs[0], results[0], device_index)
+        if exe.single_checked:   # the same with device checks (x[idx], gather...): their outcome last
+            exe.traced.report(results[1], sites.place(sys._getframe()))
+            return memory.allocator.new_output(exe.outputs[0], results[0], device_index)
         new_output = memory.allocator.new_output
         outs = []
         k = 0
@@ -183,6 +200,8 @@ class Kernel(OpSignature):
             for slot in exe.writes:
                 _records[addrs[slot]].buf = results[k]
                 k += 1
+        if exe.traced.checks:   # value-dependent checks (index bounds...): the last result
+            exe.traced.report(results[k], sites.place(sys._getframe()))
         return self.returned(outs, values)
 
     def output_device(self, values) -> int:
@@ -208,6 +227,10 @@ class Kernel(OpSignature):
         meta_out = self._run_meta(values)
         # After PyTorch's meta checks, as on CPU (shape errors first, then the kernel's dtypes).
         cpu_dtypes.check(self, values, _describe)
+        try:
+            self.check_dtypes(values)
+        except RuntimeError as err:
+            raise RuntimeError(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
         new_meta = self.new_output_metas(meta_out)
         layouts = self.lowering.output_strides and self.lowering.output_strides(new_meta, values)
         out_specs = []
@@ -223,8 +246,11 @@ class Kernel(OpSignature):
             out_specs.append((dtype, sizes, strides))
         # Buffers written by this op: each mutated argument's view, by its position among the
         # inputs (None for a tensor without elements: nothing to write).
+        mutated = self.mutated_tensors(values)
+        if mutated:
+            self._check_writes(values, [t for _, _, t in mutated], ctx)
         positions = self._input_positions(specs)
-        write_targets = [positions.get((i, pos)) for i, pos, _ in self.mutated_tensors(values)]
+        write_targets = [positions.get((i, pos)) for i, pos, _ in mutated]
         writes = tuple(dict.fromkeys(target[1][4] for target in write_targets if target is not None))
         promote_dtype = None
         if self.promote_idx is not None:
@@ -248,6 +274,44 @@ class Kernel(OpSignature):
                 n += 1
         return found
 
+    def _check_writes(self, values, mutated, ctx):
+        """PyTorch's rules for the tensors an op writes, which its meta kernel may not apply: they
+        live on the op's device (CUDA's rule), an in-place result must be castable to them
+        ("result type Float can't be cast to the desired output type Long"), and they may not
+        overlap themselves or another argument. Once per cache entry (all of it is in the key)."""
+        for t in mutated:
+            if t.device.type != "neuron" or (ctx.device_index is not None and t.device.index != ctx.device_index):
+                raise device_mismatch_error(t, ctx.device_index if ctx.device_index is not None else current_device())
+        if self.functional is not None:
+            pos, kw = self.split_call([_to_meta(v) for v in values])
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    result = self.functional(*pos, **kw)
+            except (RuntimeError, IndexError, ValueError, TypeError):
+                # The functional form cannot judge this call (pow_.Scalar's functional twin takes a
+                # Scalar self): CPU does, once per cache entry.
+                err = self._cpu_error(values)
+                if err is not None:
+                    raise err from None
+                result = None
+            result = result[0] if isinstance(result, tuple | list) else result
+            target = mutated[0]
+            if isinstance(result, torch.Tensor) and not torch.can_cast(result.dtype, target.dtype):
+                raise self._cpu_error(values) or RuntimeError(
+                    f"result type {dtype_name(result.dtype)} can't be cast to the desired output type "
+                    f"{dtype_name(target.dtype)}\n[torchneuron] in {self.name}{_describe(values)}")
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        if oracle.may_overlap(mutated, tensors):
+            err = self._cpu_error(values)
+            if err is not None and str(err).startswith(oracle.OVERLAP):
+                raise err
+
+    def _cpu_error(self, values):
+        """CPU's error for this call (see eager/oracle.py), with the op and inputs, or None."""
+        err = oracle.cpu_error(self.overload, values, self.kwarg_only, self.arg_names)
+        return None if err is None else oracle.as_cpu_error(err, self.name, _describe(values))
+
     def _first_call(self, exe, bufs, runtime, values, device_index):
         """Make the executable callable: load it from the persistent cache, or compile it (and
         store it there); then run it once."""
@@ -258,6 +322,8 @@ class Kernel(OpSignature):
             # A loaded executable is never traced: whatever the hot path needs from tracing must
             # be stored in the entry's metadata (``store`` below) and restored here.
             exe.call = loaded[0]
+            exe.traced.checks = tuple(loaded[1].get("checks", ()))   # pickled with the entry
+            exe.split_single()
             metrics.eager_cache_loads += 1
             results = exe.call(*bufs, *runtime)
             metrics.compile_seconds += time.perf_counter() - start
@@ -276,11 +342,17 @@ class Kernel(OpSignature):
             try:
                 results = jitted(*bufs, *runtime)
             except Exception as err:
+                # A check only the CPU kernel makes (max() of nothing); adaptive eager's op-by-op
+                # runs pass no values (the user's call was checked when it was recorded).
+                cpu = self._cpu_error(values) if values else None
+                if cpu is not None:
+                    raise cpu from None
                 self.raise_call_error(values, err)
             if name is not None:
                 # The executable jit just compiled (its lowering and compile are cached in memory).
                 executable_store.store("eager", name, lambda: jitted.lower(*bufs, *runtime).compile(),
-                                       {"op": self.short_name})
+                                       {"op": self.short_name, "checks": traced.checks})
+        exe.split_single()
         metrics.compile_seconds += time.perf_counter() - start
         metrics.executables_compiled += 1
         metrics.eager_compiles[exe.reason] += 1
@@ -321,8 +393,12 @@ class Kernel(OpSignature):
         except NotImplementedError:
             return self._shape_from_lowering(values)
         except (RuntimeError, IndexError, ValueError, TypeError, AssertionError) as err:
-            # PyTorch's own shape/dtype check failed: keep its message, add the op and inputs
-            # (a meta kernel's AssertionError is a TORCH_CHECK in ATen's kernel: a RuntimeError).
+            # PyTorch's own shape/dtype check failed. Some meta kernels are Python references that
+            # raise another type or text than the CPU kernel: CPU's error wins where it has one.
+            cpu = self._cpu_error(values)
+            if cpu is not None:
+                raise cpu from None
+            # A meta kernel's AssertionError is a TORCH_CHECK in ATen's kernel: a RuntimeError.
             cls = RuntimeError if isinstance(err, AssertionError) else type(err)
             raise cls(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None
 
@@ -505,7 +581,7 @@ def _store_name(key):
     if not kernel.persistent or not _portable(statics):
         return None
     return executable_store.key("eager", kernel.name, kernel.functional is not None, specs, statics,
-                                storages, device_index, default_dtype, config.float64)
+                                storages, device_index, default_dtype, config.float64, config.device_checks)
 
 
 class _Traced:
@@ -528,6 +604,17 @@ class _Traced:
         self.nbufs = len(ctx.bufs)
         # Part of the cache key already: the key holds every input's strides.
         self.contiguous = kernel.input_contiguous(values)
+        # Device checks (ops/checks.py): compiled in unless turned off (changing the setting clears
+        # the cache); ``checks`` is known once traced: ((check, op), ...) of the extra last output.
+        self.mode = config.device_checks
+        self.checks = None
+
+    def report(self, outcome, site) -> None:
+        """Hand the outcome of this executable's device checks to the runtime (eager/adaptive)."""
+        if self.mode == "sync":
+            deferred.check_now(outcome, self.checks)
+        else:
+            deferred.defer(outcome, self.checks, site)
 
     def __call__(self, *flat):
         k = self.kernel
@@ -551,8 +638,11 @@ class _Traced:
         if k.lowering.random:
             seed, offset = runtime[-2], runtime[-1]
             key = jax.random.fold_in(jax.random.key(seed), offset)
-        mutated_vals, new_vals = k.call_lowering(values, self.promote_dtype, key, len(self.write_targets),
-                                                 len(self.out_specs), self.contiguous)
+        with checks.collecting() if self.mode != "off" else checks.suspended() as found:
+            mutated_vals, new_vals = k.call_lowering(values, self.promote_dtype, key, len(self.write_targets),
+                                                     len(self.out_specs), self.contiguous)
+        found = found or ()
+        self.checks = tuple((entry[-1], k.name) for entry in found)
         outputs = []
         for value, spec in zip(new_vals, self.out_specs):
             if spec is None:
@@ -568,7 +658,7 @@ class _Traced:
             value = cast_and_broadcast(value, dtype, sizes)
             new_bufs[slot] = layout.write(base, value, jax_dtype(dtype), sizes, strides, offsets[n])
         written = [new_bufs.get(slot, bufs[slot]) for slot in self.writes]
-        return tuple(outputs) + tuple(written)
+        return tuple(outputs) + tuple(written) + ((checks.pack(found),) if found else ())
 
 
 def _to_meta(v):

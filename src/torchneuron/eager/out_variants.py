@@ -1,4 +1,10 @@
-"""``out=`` overloads: the functional kernel's result written into the caller's tensors."""
+"""``out=`` overloads: the functional kernel's result written into the caller's tensors.
+
+PyTorch's out= rules differ per op (``neg`` wants an out of its own dtype, ``add`` casts, ``mm``
+wants the same dtype, ``sum`` casts) and meta kernels apply them only in part, so the first call
+with each combination of out and result dtypes asks CPU PyTorch (``eager/oracle.py``); later calls
+pay one set lookup. Out tensors on another device are refused, as on CUDA.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,11 @@ import warnings
 
 import torch
 
-from ..ops.signature import out_names
+from ..ops.signature import OpSignature, out_names
+from ..runtime.device import device_mismatch_error
+from ..runtime.dtypes import dtype_name
+from . import oracle
+from .kernel import describe_args
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
@@ -18,17 +28,48 @@ class OutKernel:
         self.overload = overload
         self.functional = functional_kernel
         self.out_names = out_names(overload)
+        self.signature = OpSignature(overload, None)
+        self.checked: set = set()   # (out dtypes, result dtypes) whose out= rules CPU accepted
+        # Reductions take their computation dtype from ``out`` when no ``dtype`` is given (ATen's
+        # infer_dtype_from_optional): sum(float, out=int64) sums int64 values.
+        self.dtype_from_out = (overload._schema.name.split("::", 1)[1] in _DTYPE_FROM_OUT
+                               and "dtype" in self.signature.index_of)
 
     def __call__(self, *args, **kwargs):
         outs = [kwargs.pop(n) for n in self.out_names]
-        result = self.functional(*args, **kwargs)
+        call = kwargs
+        if self.dtype_from_out and kwargs.get("dtype") is None:
+            call = dict(kwargs, dtype=outs[0].dtype)
+        result = self.functional(*args, **call)
         results = result if isinstance(result, tuple) else (result,)
+        check_out_devices(outs, results[0].device)
+        key = (tuple(o.dtype for o in outs), tuple(v.dtype for v in results))
+        checked = key in self.checked
+        if not checked:
+            values = self.signature.bind(args, dict(kwargs, **dict(zip(self.out_names, outs))))
+            err = oracle.cpu_error(self.overload, values, self.signature.kwarg_only, self.signature.arg_names)
+            if err is not None:
+                raise oracle.as_cpu_error(err, self.signature.name, describe_args(values)) from None
+            checked = err is None and not oracle.too_large(values)
+            if checked:
+                self.checked.add(key)
         for out, value in zip(outs, results):
-            write_out(out, value, self.functional.short_name)
+            write_out(out, value, self.functional.short_name, cast_checked=checked)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-def write_out(out: torch.Tensor, value: torch.Tensor, op_name: str) -> None:
+_DTYPE_FROM_OUT = {"sum", "nansum", "prod", "cumsum", "cumprod"}
+
+
+def check_out_devices(outs, device) -> None:
+    """out= tensors live on the op's device (CUDA's rule; writing a CPU tensor from a neuron op
+    would hide a transfer and is an error there)."""
+    for out in outs:
+        if isinstance(out, torch.Tensor) and out.device != device:
+            raise device_mismatch_error(out, device.index or 0)
+
+
+def write_out(out: torch.Tensor, value: torch.Tensor, op_name: str, cast_checked: bool = False) -> None:
     if out.shape != value.shape:
         if out.numel() != 0:
             warnings.warn(
@@ -41,16 +82,11 @@ def write_out(out: torch.Tensor, value: torch.Tensor, op_name: str) -> None:
             _swap_storage(out, value)
             return
         out.resize_(value.shape)
-    if out.dtype != value.dtype and not torch.can_cast(value.dtype, out.dtype):
-        raise RuntimeError(f"result type {_dtype_name(value.dtype)} can't be cast to the desired output "
-                           f"type {_dtype_name(out.dtype)}")
+    if not cast_checked and out.dtype != value.dtype and not torch.can_cast(value.dtype, out.dtype):
+        raise RuntimeError(f"result type {dtype_name(value.dtype)} can't be cast to the desired output "
+                           f"type {dtype_name(out.dtype)}")
     with torch.no_grad():
         out.copy_(value)
-
-
-def _dtype_name(dtype):
-    return {torch.float32: "Float", torch.float64: "Double", torch.int64: "Long", torch.int32: "Int",
-            torch.bool: "Bool", torch.float16: "Half", torch.bfloat16: "BFloat16"}.get(dtype, str(dtype))
 
 
 def _swap_storage(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -52,6 +52,8 @@ def resize_(self, size, memory_format=None):
     numel = 1
     for s in size:
         numel *= s
+    if numel > memory.INT64_MAX:   # CPU's check, before any storage size is computed
+        raise RuntimeError("numel: integer multiplication overflow")
     needed = (self.storage_offset() + numel) * self.element_size()
     if needed > self.untyped_storage().nbytes():
         # Grow: a new storage that keeps the whole old storage as its prefix, as PyTorch does (not

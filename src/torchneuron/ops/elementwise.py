@@ -12,6 +12,7 @@ import numpy as np
 from jax import lax
 from jax.scipy import special as jsp
 
+from .checks import nonzero_divisor
 from .numerics import compute_dtype
 from .registry import lowering
 
@@ -66,6 +67,7 @@ def div_mode(self, other, *, rounding_mode=None):
     if rounding_mode == "floor":
         return floor_divide(self, other)
     if _is_int(self):
+        nonzero_divisor(other)
         a, b = jnp.broadcast_arrays(self, jnp.asarray(other, jnp.result_type(self)))
         return lax.div(a, b)   # C's truncating integer division
     dtype = jnp.result_type(self)
@@ -76,6 +78,7 @@ def div_mode(self, other, *, rounding_mode=None):
 @lowering("floor_divide.default", "floor_divide.Scalar", promote="result", promote_args=("self", "other"))
 def floor_divide(self, other):
     if _is_int(self):
+        nonzero_divisor(other)
         return jnp.floor_divide(self, other)
     dtype = jnp.result_type(self)
     compute = compute_dtype(dtype)
@@ -107,11 +110,13 @@ def _div_floor_float(a, b):
 @lowering("remainder.Tensor", "remainder.Scalar", "remainder.Scalar_Tensor", promote="result",
           promote_args=("self", "other"))
 def remainder(self, other):
+    nonzero_divisor(other)   # integers only; floats give NaN like CPU
     return jnp.remainder(self, other)
 
 
 @lowering("fmod.Tensor", "fmod.Scalar", promote="result", promote_args=("self", "other"))
 def fmod(self, other):
+    nonzero_divisor(other)
     return jnp.fmod(self, other)
 
 
@@ -205,6 +210,8 @@ def lerp(self, end, weight):
 
 @lowering("addcmul.default", promote="result", promote_args=("self", "tensor1", "tensor2"))
 def addcmul(self, tensor1, tensor2, *, value=1):
+    if not jnp.issubdtype(self.dtype, jnp.inexact):
+        value = jnp.asarray(value).astype(self.dtype)   # ATen converts the Scalar first: int(1.5) == 1
     # One rounding for half precision, like ATen's opmath kernel (not one per multiply/add).
     dt = compute_dtype(self.dtype)
     return (self.astype(dt) + value * tensor1.astype(dt) * tensor2.astype(dt)).astype(self.dtype)

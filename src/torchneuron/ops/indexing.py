@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from . import checks
+from .checks import index_in_range, out_of_bounds
 from .numerics import compute_dtype, highest, lowest
 from .registry import InvalidArguments, lowering
+
+_OUT_OF_RANGE = "index out of range in self"
 
 
 def _index_tuple(indices):
@@ -22,19 +26,35 @@ def _add_at(at, values):
     return at.max(values) if at.array.dtype == jnp.bool_ else at.add(values)
 
 
+def _check_indices(self, indices):
+    # CPU's message numbers the index tensors, not the dimensions they index.
+    k = 0
+    for d, i in enumerate(indices):
+        if i is not None:
+            index_in_range(i, self.shape[d], out_of_bounds(k, self.shape[d]))
+            k += 1
+
+
 @lowering("index.Tensor", "_unsafe_index.Tensor")
 def index(self, indices):
     # Bool masks were turned into integer indices by the kernel (see eager/dynamic.py).
+    _check_indices(self, indices)
     return self[_index_tuple(indices)]
 
 
-@lowering("index_put.default", "_unsafe_index_put.default", promote="result", promote_args=("self", "values"))
+_INDEX_PUT_DTYPES = ("self", "values", "Index put requires the source and destination dtypes match, got {self} for "
+                     "the destination and {values} for the source.")
+
+
+@lowering("index_put.default", "_unsafe_index_put.default", promote="result", promote_args=("self", "values"),
+          same_dtype=_INDEX_PUT_DTYPES)
 def index_put(self, indices, values, accumulate=False):
+    _check_indices(self, indices)
     idx = _index_tuple(indices)
     return _add_at(self.at[idx], values) if accumulate else self.at[idx].set(values)
 
 
-@lowering("_index_put_impl_.default", promote="result", promote_args=("self", "values"))
+@lowering("_index_put_impl_.default", promote="result", promote_args=("self", "values"), same_dtype=_INDEX_PUT_DTYPES)
 def index_put_impl_(self, indices, values, accumulate=False, unsafe=False):
     return index_put(self, indices, values, accumulate)
 
@@ -52,12 +72,20 @@ def gather(self, dim, index, *, sparse_grad=False):
     if index.size == 0:   # ATen checks nothing about an empty index (not even its rank)
         return jnp.zeros(index.shape, self.dtype)
     if self.ndim == 0:
+        _check_nonnegative(index, 1, 0)
         return self.reshape(index.shape)
     dim = dim % self.ndim
+    _check_nonnegative(index, self.shape[dim], dim)
     return jnp.take_along_axis(_gather_like(self, dim, index), _wrap(index, self.shape[dim]), axis=dim)
 
 
+def _check_nonnegative(index, size, dim, error=RuntimeError, message=None):
+    """gather/scatter/index_add: 0 <= index < size (no counting from the end)."""
+    index_in_range(index, size, message or out_of_bounds(dim, size), error, negative=False)
+
+
 def _scatter_index(index, dim, size):
+    _check_nonnegative(index, size, dim)
     idx = list(jnp.indices(index.shape, sparse=True))
     idx[dim] = _wrap(index, size)
     return tuple(idx)
@@ -72,6 +100,7 @@ def _src_like(src, index):
 @lowering("scatter.src", "scatter.value", promote="result", promote_args=("self", "src", "value"))
 def scatter(self, dim, index, src=None, value=None):
     if self.ndim == 0:
+        _check_nonnegative(index, 1, 0)
         return jnp.asarray(src if src is not None else value, self.dtype).reshape(())
     dim = dim % self.ndim
     vals = _src_like(src if src is not None else value, index)
@@ -94,6 +123,7 @@ def scatter_add(self, dim, index, src):
     if index.size == 0:   # nothing to add; ATen checks nothing about an empty index
         return self
     if self.ndim == 0:
+        _check_nonnegative(index, 1, 0)
         return self + src.reshape(())
     dim = dim % self.ndim
     return _add_at(self.at[_scatter_index(index, dim, self.shape[dim])], _src_like(src, index))
@@ -138,8 +168,10 @@ def scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
 def index_select(self, dim, index):
     if self.ndim == 0:
         # A 0-dim source gives a 0-dim result (its only element, selected by index 0).
+        index_in_range(index, 1, _OUT_OF_RANGE, negative=False)
         return self
     dim = dim % self.ndim
+    index_in_range(index, self.shape[dim], _OUT_OF_RANGE, negative=False)
     return jnp.take(self, _wrap(index.reshape(-1), self.shape[dim]), axis=dim)
 
 
@@ -167,25 +199,32 @@ def _check_index_func(func, self, dim, index, source):
     return index.reshape(-1), source.reshape(source.shape or (1,))
 
 
-@lowering("index_add.default", promote="result", promote_args=("self", "source"))
+@lowering("index_add.default", promote="result", promote_args=("self", "source"),
+          same_dtype=("self", "source", "index_add_(): self ({self}) and source ({source}) must have the same scalar type"))
 def index_add(self, dim, index, source, *, alpha=1):
     index, source = _check_index_func("index_add", self, dim, index, source)
     if self.ndim == 0:
         return index_add(self.reshape(1), 0, index, source, alpha=alpha).reshape(())
     scaled = jnp.logical_and(source, alpha) if self.dtype == jnp.bool_ else source * alpha
     dim = dim % self.ndim
+    _check_nonnegative(index, self.shape[dim], dim)
     return _add_at(self.at[_dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))], scaled)
 
 
-@lowering("index_copy.default", promote="result", promote_args=("self", "source"))
+@lowering("index_copy.default", promote="result", promote_args=("self", "source"),
+          same_dtype=("self", "source", "index_copy_(): self and source expected to have the same dtype, but got (self) "
+                      "{self} and (source) {source}"))
 def index_copy(self, dim, index, source):
     if self.ndim == 0:
+        _check_nonnegative(index, 1, 0, IndexError, "index_copy_(): " + out_of_bounds(0, 1))
         return source.reshape(())
     dim = dim % self.ndim
     # A 0-dim index (and source) stand for one entry along dim, as in ATen.
     index = index.reshape(-1)
     if source.ndim == 0:
         source = source.reshape((1,) * self.ndim)
+    _check_nonnegative(index, self.shape[dim], dim, IndexError,
+                       "index_copy_(): " + out_of_bounds(dim, self.shape[dim]))
     return self.at[_dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))].set(source)
 
 
@@ -196,8 +235,10 @@ def index_fill(self, dim, index, value):
         raise InvalidArguments("index_fill_(): Converting complex Scalar to non-complex type is not supported")
     value = value.astype(self.dtype)
     if self.ndim == 0:
+        index_in_range(index, 1, out_of_bounds(0, 1))
         return jnp.asarray(value, self.dtype).reshape(())
     dim = dim % self.ndim
+    index_in_range(index, self.shape[dim], out_of_bounds(dim, self.shape[dim]))
     return self.at[_dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))].set(value)
 
 
@@ -221,6 +262,7 @@ def masked_scatter(self, mask, source):
 
 @lowering("embedding.default")
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    index_in_range(indices, weight.shape[0], _OUT_OF_RANGE, negative=False)
     return jnp.take(weight, indices, axis=0)
 
 
@@ -238,15 +280,23 @@ def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, sca
     return jnp.zeros((num_weights, dim), acc).at[flat].add(grads.astype(acc)).astype(grad_output.dtype)
 
 
+def _take_message(n):
+    return f"out of range: tried to access index {{value}} on a tensor of {n} elements."
+
+
 @lowering("take.default")
 def take(self, index):
     flat = self.reshape(-1)
+    index_in_range(index, flat.shape[0], _take_message(flat.shape[0]))
     return flat[_wrap(index, flat.shape[0])]
 
 
-@lowering("put.default", promote="result", promote_args=("self", "source"))
+@lowering("put.default", promote="result", promote_args=("self", "source"),
+          same_dtype=("self", "source", "put_(): self and source expected to have the same dtype, but got self.dtype = "
+                      "{self} and source.dtype = {source}"))
 def put(self, index, source, accumulate=False):
     flat = self.reshape(-1)
+    index_in_range(index, flat.shape[0], _take_message(flat.shape[0]))
     idx = _wrap(index.reshape(-1), flat.shape[0])
     src = source.reshape(-1)
     out = _add_at(flat.at[idx], src) if accumulate else flat.at[idx].set(src)
@@ -269,12 +319,14 @@ def nonzero_static(self, *, size, fill_value=-1):
     return coords
 
 
-@lowering("index_reduce.default", promote="result", promote_args=("self", "source"))
+@lowering("index_reduce.default", promote="result", promote_args=("self", "source"),
+          same_dtype=("self", "source", "index_reduce_(): self ({self}) and source ({source}) must have the same scalar type"))
 def index_reduce(self, dim, index, source, reduce, *, include_self=True):
     index, source = _check_index_func("index_reduce", self, dim, index, source)
     if self.ndim == 0:
         return index_reduce(self.reshape(1), 0, index, source, reduce, include_self=include_self).reshape(())
     dim = dim % self.ndim
+    index_in_range(index, self.shape[dim], _OUT_OF_RANGE, negative=False)
     idx = _dim_index(self.ndim, dim, _wrap(index, self.shape[dim]))
     is_float = jnp.issubdtype(self.dtype, jnp.floating)
     identity = {"prod": 1, "mean": 0,
@@ -310,6 +362,9 @@ def _bags(indices, offsets, num_bags):
 
 
 def _embedding_bag(weight, indices, offsets, mode, per_sample_weights, include_last_offset, padding_idx):
+    n = weight.shape[0]
+    checks.fail_if((indices < 0) | (indices >= n), indices, RuntimeError,
+                   f"Index {{position}} of input takes value {{value}} which is not in the valid range [0, {n})")
     num_bags = offsets.shape[0] - (1 if include_last_offset else 0)
     dim = weight.shape[1]
     bag = _bags(indices, offsets, num_bags)

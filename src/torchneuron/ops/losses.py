@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import checks
 from .numerics import compute_dtype, require_floating
 from .registry import lowering
 
@@ -54,6 +55,9 @@ def _nll(self, target, weight, reduction, ignore_index):
 
 @lowering("nll_loss_forward.default", "nll_loss2d_forward.default")
 def nll_loss_forward(self, target, weight, reduction, ignore_index):
+    classes = self.shape[1 if self.ndim >= 2 else 0]
+    t = target.astype(jnp.int64)
+    checks.fail_if((t != ignore_index) & ((t < 0) | (t >= classes)), t, IndexError, "Target {value} is out of bounds.")
     return _nll(self, target, weight, reduction, ignore_index)
 
 

@@ -47,6 +47,9 @@ class Lowering:
     # An argument whose memory layout picks ATen's algorithm (``_linalg_det`` factors A^T when A is
     # C-contiguous, and its backward relies on that): the lowering receives ``contiguous=`` (bool).
     contiguity_of: str | None = None
+    # Two tensor arguments that must have the same dtype (CPU checks it, meta kernels do not), and
+    # CPU's message, formatted with each argument's c10 dtype name: ("self", "source", "... {self}").
+    same_dtype: tuple[str, str, str] | None = None
     # Where ATen's CPU kernel lays its outputs out otherwise than PyTorch's meta kernel says:
     # ``fn(output_metas, bound_values)`` -> one strides tuple per output (None: meta's), or None.
     output_strides: Callable | None = None
@@ -69,7 +72,8 @@ LOWERINGS: dict[str, Lowering] = {}
 
 def lowering(*names: str, promote: str | None = None, promote_args=None, static_scalars=False,
              random=False, overwrites=False, derive_variants=True, mutates=(), graph_only=False,
-             platforms=None, shape_from_lowering=False, contiguity_of=None, output_strides=None):
+             platforms=None, shape_from_lowering=False, contiguity_of=None, same_dtype=None,
+             output_strides=None):
     """Register ``fn`` as the lowering of each ATen overload in ``names`` ("add.Tensor")."""
     def register(fn):
         for name in names:
@@ -79,7 +83,7 @@ def lowering(*names: str, promote: str | None = None, promote_args=None, static_
                          derive_variants=derive_variants, mutates=tuple(mutates), graph_only=graph_only,
                          platforms=tuple(platforms) if platforms else None,
                          shape_from_lowering=shape_from_lowering, contiguity_of=contiguity_of,
-                         output_strides=output_strides))
+                         same_dtype=same_dtype, output_strides=output_strides))
         return fn
     return register
 

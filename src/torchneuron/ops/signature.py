@@ -25,7 +25,7 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from ..runtime import layout
-from ..runtime.dtypes import device_dtype, jax_dtype
+from ..runtime.dtypes import device_dtype, dtype_name, jax_dtype
 from . import registry
 from .registry import Lowering
 
@@ -192,6 +192,10 @@ class OpSignature:
                 self.return_sources.append(None)
         self.new_outputs = sum(1 for s in self.return_sources if s is None)
         self.returns_list = len(schema.returns) == 1 and str(schema.returns[0].type) == "List[Tensor]"
+        self.same_dtype = None
+        if lowering is not None and lowering.same_dtype is not None:
+            a, b, message = lowering.same_dtype
+            self.same_dtype = (self.index_of[a], self.index_of[b], a, b, message)
         self.promote_idx = None
         if lowering is not None and lowering.promote:
             names = lowering.promote_args or tuple(
@@ -257,6 +261,16 @@ class OpSignature:
         if not returned:
             return None
         return returned[0] if len(returned) == 1 else tuple(returned)
+
+    def check_dtypes(self, values) -> None:
+        """The dtype rules CPU kernels check and meta kernels do not (``Lowering.same_dtype``):
+        at plan/trace time, on tensors or their metas."""
+        if self.same_dtype is None:
+            return
+        i, j, a, b, message = self.same_dtype
+        x, y = values[i], values[j]
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype != y.dtype:
+            raise RuntimeError(message.format(**{a: dtype_name(x.dtype), b: dtype_name(y.dtype)}))
 
     # -- promotion and the call -------------------------------------------------------------------
     def promotion_dtype(self, values, new_meta):

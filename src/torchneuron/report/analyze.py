@@ -10,6 +10,8 @@ import math
 import re
 import time
 
+from ..metrics import op_label
+from ..runtime.sites import format_site
 from .env import KEY_FIELDS
 
 REPORT_SCHEMA = "torchneuron.report/1"
@@ -68,12 +70,7 @@ def _finding(severity, kind, title, detail, **extra) -> dict:
 
 
 def _site_text(site) -> str:
-    if not site:
-        return "(no user frame)"
-    text = f"{site['file']}:{site['line']}"
-    if site.get("via"):
-        text += f" ({site['via']})"
-    return text
+    return format_site(site, function=False)
 
 
 # -- sections ---------------------------------------------------------------------------------------
@@ -371,7 +368,7 @@ def findings(run, baseline, sections, warmup) -> list[dict]:
 
     for f in run.get("failures", []):
         out.append(_finding(
-            "blocker", "op_failed", f"aten::{f['op']} fails on neuron ({PATH_LABELS[f['path']]})",
+            "blocker", "op_failed", f"{op_label(f['op'])} fails on neuron ({PATH_LABELS[f['path']]})",
             f"{f['error_type']}: {f['error'].splitlines()[0] if f['error'] else ''} — first at "
             f"{_site_text(f.get('site'))}, {f['count']} failing call(s).", op=f["op"], site=f.get("site")))
     if status.get("outcome") == "error":
@@ -387,7 +384,7 @@ def findings(run, baseline, sections, warmup) -> list[dict]:
     for row in sections["fallbacks"]:
         if row["in_hot_loop"]:
             out.append(_finding(
-                "blocker", "fallback_in_loop", f"aten::{row['op']} runs on CPU inside the hot loop",
+                "blocker", "fallback_in_loop", f"{op_label(row['op'])} runs on CPU inside the hot loop",
                 f"{row['steady_steps_with_calls']} of {row['steady_steps']} steady-state steps call it "
                 f"({row['calls']} calls in total, {row['h2d_bytes'] + row['d2h_bytes']} bytes copied "
                 f"host<->device for it); first at {_site_text(row['site'])}.", op=row["op"], site=row["site"]))
@@ -395,7 +392,7 @@ def findings(run, baseline, sections, warmup) -> list[dict]:
             where = (f"in step {row['first_step']}" if row["first_step"] else "outside the marked steps") \
                 if steps else "(no steps were marked, so the hot loop is unknown)"
             out.append(_finding(
-                "warning", "fallback", f"aten::{row['op']} runs on CPU",
+                "warning", "fallback", f"{op_label(row['op'])} runs on CPU",
                 f"{row['calls']} call(s), {where}; first at {_site_text(row['site'])}.",
                 op=row["op"], site=row["site"]))
 
@@ -457,8 +454,8 @@ def findings(run, baseline, sections, warmup) -> list[dict]:
 
     for op, count in run["metrics"].get("float64_downcasts", {}).items():
         site = run.get("float64_sites", {}).get(op)
-        out.append(_finding("warning", "float64_downcast", f"float64 runs as float32 (aten::{op})",
-                            f"{count} float64 result(s) of aten::{op} were computed as float32; first at "
+        out.append(_finding("warning", "float64_downcast", f"float64 runs as float32 ({op_label(op)})",
+                            f"{count} float64 result(s) of {op_label(op)} were computed as float32; first at "
                             f"{_site_text(site)}. Convert to float32 explicitly, or set "
                             "TORCHNEURON_FLOAT64=keep.", op=op, site=site))
 

@@ -20,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import profiler
 from ..metrics import metrics
-from . import sites
+from ..runtime import sites
 
 RUN_SCHEMA = "torchneuron.run/1"
 

@@ -11,6 +11,7 @@ import math
 import os
 from html import escape
 
+from ..runtime.sites import format_site
 from . import svg
 from .analyze import PATH_LABELS
 
@@ -58,12 +59,7 @@ def fmt_num(v, digits=3) -> str:
 
 
 def site_text(site) -> str:
-    if not site:
-        return "–"
-    text = f"{site['file']}:{site['line']}"
-    if site.get("via"):
-        text += f" ({site['via']})"
-    return text
+    return format_site(site, function=False, missing="–")
 
 
 def site_cell(site):

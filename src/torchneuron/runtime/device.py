@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import config
-from . import memory, pjrt, rng
+from . import deferred, fork, memory, pjrt, rng
 
 _state = threading.local()
 
@@ -30,15 +30,18 @@ def is_available() -> bool:
 
 
 def is_initialized() -> bool:
-    return True
+    return not fork.in_bad_fork()
 
 
 def _lazy_init() -> None:
+    if fork.in_bad_fork():
+        raise fork.fork_error("initializing the device")
     pjrt.devices()
 
 
 def _is_in_bad_fork() -> bool:
-    return False
+    # torch.manual_seed skips the device's generators in such a child (DataLoader workers).
+    return fork.in_bad_fork()
 
 
 def device_count() -> int:
@@ -98,10 +101,15 @@ class device:  # noqa: N801 - mirrors torch.cuda.device
 def synchronize(device=None) -> None:
     """Wait until every pending computation on neuron buffers has finished."""
     memory.flush_pending("synchronize")
+    memory.allocator.collect()
     for rec in list(memory.allocator.records.values()):
         buf = rec.buf
         if buf is not None:
             buf.block_until_ready()
+    deferred.raise_pending()
+
+
+fork.forbid(sys.modules[__name__], "synchronize", "synchronize")
 
 
 def get_device_name(device=None) -> str:
@@ -122,16 +130,8 @@ class DeviceProperties:
 def get_device_properties(device=None) -> DeviceProperties:
     index = _index(device)
     dev = pjrt.device(index)
-    total = 0
-    try:
-        stats = dev.memory_stats() or {}
-        total = int(stats.get("bytes_limit", 0))
-    except Exception:
-        total = 0
-    if not total:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return DeviceProperties(get_device_name(index), dev.platform, dev.device_kind, index, total,
-                            pjrt.platform_version())
+    return DeviceProperties(get_device_name(index), dev.platform, dev.device_kind, index,
+                            pjrt.total_memory(index), pjrt.platform_version())
 
 
 # -- RNG ------------------------------------------------------------------------------------------
@@ -183,6 +183,7 @@ def set_rng_state_all(states) -> None:
 
 # -- memory ---------------------------------------------------------------------------------------
 def memory_allocated(device=None) -> int:
+    memory.allocator.collect()
     return memory.allocator.allocated.get(_index(device), 0)
 
 
@@ -192,12 +193,14 @@ def max_memory_allocated(device=None) -> int:
 
 def reset_peak_memory_stats(device=None) -> None:
     index = _index(device)
+    memory.allocator.collect()
     memory.allocator.peak[index] = memory.allocator.allocated.get(index, 0)
 
 
 def memory_stats(device=None) -> dict:
     index = _index(device)
     a = memory.allocator
+    a.collect()
     live = sum(1 for r in a.records.values() if r.device_index == index)
     return {
         "allocated_bytes.all.current": a.allocated.get(index, 0),

@@ -36,6 +36,19 @@ def jax_dtype(dtype: torch.dtype):
         ) from None
 
 
+# c10's names of scalar types, as PyTorch's C++ errors print them ("result type Float ...").
+_C10_NAMES = {
+    torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+    torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+    torch.uint16: "UInt16", torch.uint32: "UInt32", torch.uint64: "UInt64",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _C10_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
 def torch_dtype(dtype) -> torch.dtype:
     return _JAX_TO_TORCH[np.dtype(dtype)]
 

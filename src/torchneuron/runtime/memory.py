@@ -11,8 +11,10 @@ alive exactly as long as the storage) fires when PyTorch frees the storage, whic
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import struct
+import sys
 import threading
 import weakref
 
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import pjrt
+from . import fork, pjrt
 from .dtypes import jax_dtype
 
 _KDL_EXT_DEV = 12
@@ -150,40 +152,101 @@ def output_layout(dtype: torch.dtype, sizes, strides) -> OutputLayout:
     return found
 
 
+INT64_MAX = (1 << 63) - 1
+
+
+def layout_nbytes(sizes, strides, itemsize: int) -> int:
+    """Bytes a storage needs for this layout, with PyTorch's checks and messages
+    (``computeStorageNbytes``): a size beyond int64, or a negative stride reaching before the
+    storage's start, is a RuntimeError here instead of an abort inside DLPack's import."""
+    extent, empty, negative = 1, False, False
+    for s, st in zip(sizes, strides):
+        if st > INT64_MAX:
+            raise RuntimeError("Stride calculation overflowed")
+        if s > 1:
+            if st < 0:   # c10 computes in uint64: a negative stride wraps around and overflows
+                negative = True
+            else:
+                extent += (s - 1) * st
+        elif s < 0:
+            raise RuntimeError(f"Trying to create tensor with negative dimension {s}: {list(sizes)}")
+        elif s == 0:
+            empty = True
+    if empty:
+        return 0
+    nbytes = extent * itemsize
+    if negative or nbytes > INT64_MAX:
+        raise RuntimeError(f"Storage size calculation overflowed with sizes={list(sizes)} and "
+                           f"strides={list(strides)}")
+    return nbytes
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _span(nbytes: int) -> int:
+    """The handle range a storage of ``nbytes`` takes: at least one byte more, 64-byte aligned."""
+    return (nbytes + 64) & ~63
+
+
 class _Allocator:
     # Handles live far above any user-space address so they never collide with CPU pointers. Each
     # storage's range is at least one byte longer than the storage, so a view's data_ptr() (at most
     # one past its storage's last byte) never equals another storage's handle: a data_ptr() found
-    # in ``records`` is the start of the tensor's own storage (storage offset 0).
+    # in ``records`` is the start of the tensor's own storage (storage offset 0). All handles stay
+    # below 2**63 (PyTorch keeps pointers signed in places).
     _BASE = 1 << 60
+    _LIMIT = 1 << 63
 
     def __init__(self):
         self.records: dict[int, StorageRecord] = {}
         self._watches: dict[int, _StorageWatch] = {}   # storage address -> its watch
         self._next = self._BASE
-        self._lock = threading.Lock()
+        self._end = self._LIMIT   # the next live handle above _next (the space's end at first)
+        # Watches of storages PyTorch freed, not accounted for yet (see collect()).
+        self._freed = collections.deque()
+        # Re-entrant: collect() runs inside allocations that hold it.
+        self._lock = threading.RLock()
         self.allocated = {}   # device index -> bytes
         self.peak = {}
         self.num_allocs = 0
         self.num_frees = 0
 
-    def _on_free(self, watch: _StorageWatch) -> None:
-        """A storage is gone: drop its buffer and its bytes from the statistics."""
-        try:
-            del self._watches[watch.addr]
-            record = self.records.pop(watch.addr)
-            self.allocated[record.device_index] -= record.nbytes
-            self.num_frees += 1
-            record.buf = None
-        except Exception:  # interpreter shutdown: the tables may already be gone
-            pass
+    def collect(self) -> None:
+        """Account for the storages PyTorch freed since the last call: drop their buffers and their
+        bytes from the statistics. Runs before every allocation and statistics read.
+
+        A storage's watch only queues itself when it fires (a C-level append): a Python callback
+        would be where a pending Ctrl-C gets raised and, as callbacks cannot raise, lost -- with
+        the free left half done (clearing a list of tensors used to drop the interrupt and leak a
+        storage's bytes in the counters)."""
+        freed = self._freed
+        with self._lock:   # frees race with allocations in other threads
+            while freed:
+                watch = freed[0]
+                record = self.records.get(watch.addr)
+                if record is not None:
+                    # No calls up to the popleft: an interrupt (raised at calls and loops only)
+                    # cannot leave a half-done free; one raised after the popleft finds it done.
+                    del self.records[watch.addr]
+                    del self._watches[watch.addr]
+                    self.allocated[record.device_index] -= record.nbytes
+                    self.num_frees += 1
+                    record.buf = None
+                freed.popleft()
 
     def _register(self, nbytes: int, dtype: torch.dtype, device_index: int, buf) -> int:
         """A fresh handle for a storage of ``nbytes``, counted in the statistics."""
         record = StorageRecord(nbytes, dtype, device_index, buf)
+        span = (nbytes + 64) & ~63   # _span, inline: the per-op hot path
         with self._lock:
+            if self._freed:
+                self.collect()
             addr = self._next
-            self._next += (nbytes + 64) & ~63
+            if addr + span > self._end:
+                addr, self._end = self._find_gap(span)
+            self._next = addr + span
             self.num_allocs += 1
             used = self.allocated.get(device_index, 0) + nbytes
             self.allocated[device_index] = used
@@ -196,8 +259,9 @@ class _Allocator:
         # No DLPack deleter (PyTorch accepts none): a ctypes callback into Python that runs while an
         # exception propagates (a temporary freed during unwinding) turns that exception into a
         # SystemError. PyTorch keeps a storage's Python object alive exactly as long as the storage,
-        # and weakref callbacks leave a pending exception intact, so a weakref watches it instead.
-        watch = _StorageWatch(tensor.untyped_storage(), self._on_free)
+        # and weakref callbacks leave a pending exception intact, so a weakref watches it instead;
+        # it only queues itself (see collect()).
+        watch = _StorageWatch(tensor.untyped_storage(), self._freed.append)
         watch.addr = addr
         self._watches[addr] = watch
         return tensor
@@ -211,16 +275,41 @@ class _Allocator:
                        out.dims_ptr, out.dims_ptr + 8 * out.nd, 0, 0, 0)
         return self._watch(_from_dlpack(_capsule_new(base, b"dltensor", None)), addr)
 
+    def _find_gap(self, span: int):
+        """A free handle range of ``span`` bytes and the next live handle above it (the caller holds
+        the lock). Handles are handed out in increasing order up to the next live storage (the end
+        of the space at first); once the space is used up, the gaps freed storages left are reused."""
+        self.collect()
+        live = sorted((a, _span(r.nbytes)) for a, r in list(self.records.items()))
+        for addr in (self._next, self._BASE):
+            for start, used in live:
+                if start + used <= addr:
+                    continue
+                if start - addr >= span:
+                    return addr, start
+                addr = max(addr, start + used)
+            if self._LIMIT - addr >= span:
+                return addr, self._LIMIT
+        raise RuntimeError(
+            f"torchneuron: no free storage handle range for {span} bytes: the live neuron storages "
+            "cover the handle space. Free tensors you no longer need.")
+
     def new_tensor(self, sizes, strides, dtype: torch.dtype, device_index: int, buf=None,
                    storage_nbytes: int | None = None) -> torch.Tensor:
         """A neuron tensor with the given layout on a fresh storage holding ``buf``."""
-        extent = 0 if any(s == 0 for s in sizes) else 1 + sum((s - 1) * st for s, st in zip(sizes, strides))
+        extent_bytes = layout_nbytes(sizes, strides, dtype.itemsize)
         if storage_nbytes is None:
-            storage_nbytes = extent * dtype.itemsize
+            storage_nbytes = extent_bytes
+        if storage_nbytes > pjrt.total_memory(device_index):
+            raise torch.OutOfMemoryError(
+                f"torchneuron: out of memory: tried to allocate {_gib(storage_nbytes)} "
+                f"({storage_nbytes} bytes) on neuron:{device_index}, whose total capacity is "
+                f"{_gib(pjrt.total_memory(device_index))}; {_gib(self.allocated.get(device_index, 0))} "
+                "are allocated by live tensors.")
         code, bits = _DL_CODES[dtype]
         # DLPack sizes the storage from the layout; a storage larger than the layout needs is
         # made flat and then viewed with the requested layout.
-        flat = storage_nbytes != extent * dtype.itemsize
+        flat = storage_nbytes != extent_bytes
         dl_sizes = (storage_nbytes // dtype.itemsize,) if flat else tuple(sizes)
         dl_strides = (1,) if flat else tuple(strides)
         nd = len(dl_sizes)
@@ -243,6 +332,8 @@ _AS_STRIDED = torch.ops.aten.as_strided.default.redispatch
 
 
 allocator = _Allocator()
+fork.forbid(allocator, "new_tensor", "allocating a neuron tensor")
+fork.forbid(allocator, "new_output", "allocating a neuron tensor")
 
 
 def storage_address(t: torch.Tensor) -> int:
@@ -368,3 +459,6 @@ def contiguous_strides(sizes) -> tuple:
 
 def zeros_like_buffer(numel: int, dtype: torch.dtype):
     return jnp.zeros((numel,), dtype=jax_dtype(dtype))
+
+
+fork.forbid(sys.modules[__name__], "jax_put", "copying to a neuron device")

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import warnings
 
 import jax
 import numpy as np
 from jax._src import xla_bridge
 
-from ..config import config, observe
+from ..config import config, guard, observe
+from . import fork
 
 # int64 stays int64 and float64 can be kept when asked: JAX needs x64 mode for both.
 jax.config.update("jax_enable_x64", True)
@@ -47,9 +50,13 @@ _PLUGINS = {
 }
 
 
+_started_on = None   # the platform the runtime runs on, once it started
+
+
 @functools.cache
 def devices() -> tuple:
     """PJRT devices of the configured platform, in index order."""
+    global _started_on
     platform = config.platform
     try:
         found = jax.devices(platform)
@@ -59,7 +66,20 @@ def devices() -> tuple:
             f"torchneuron: TORCHNEURON_PLATFORM={platform!r} needs {plugin}, which JAX could not "
             f"load ({err}). Install it, or set TORCHNEURON_PLATFORM=cpu."
         ) from err
+    _started_on = platform
     return tuple(found)
+
+
+def _refuse_platform_change(old: str, new: str) -> None:
+    # Tensors, executables and caches of this process live on the first platform's devices.
+    if _started_on is not None:
+        raise RuntimeError(
+            f"torchneuron: config.platform cannot change to {new!r}: the neuron runtime of this process "
+            f"already runs on {_started_on!r} (its tensors and compiled executables live there). Set "
+            f"TORCHNEURON_PLATFORM={new} before the first neuron operation, e.g. in a new process.")
+
+
+guard("platform", _refuse_platform_change)
 
 
 def device(index: int):
@@ -70,6 +90,17 @@ def device(index: int):
             f"neuron device(s) on PJRT platform {config.platform!r} (valid: 0..{len(devs) - 1})."
         )
     return devs[index]
+
+
+@functools.cache
+def total_memory(index: int) -> int:
+    """Bytes of memory of a device: what PJRT reports, else the host's (the CPU platform)."""
+    total = 0
+    try:
+        total = int((device(index).memory_stats() or {}).get("bytes_limit", 0))
+    except Exception:  # noqa: BLE001 - platforms without memory statistics
+        total = 0
+    return total or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def platform_version() -> str:
@@ -108,3 +139,6 @@ def put(host: np.ndarray, device_index: int, *, weak: bool = False, committed: b
     if weak:
         return jax.numpy.asarray(host.item())
     return jax.device_put(host, device(device_index) if committed else None, may_alias=True)
+
+
+fork.forbid(sys.modules[__name__], "put", "copying to a neuron device")

@@ -7,6 +7,7 @@ The dispatcher kernels built on these (``copy_``, ``_to_copy``, ``.item()``) liv
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import ml_dtypes
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 
 from ..metrics import metrics
-from . import layout, memory
+from . import deferred, fork, layout, memory
 from .dtypes import jax_dtype
 
 
@@ -73,6 +74,7 @@ def to_host(t: torch.Tensor) -> np.ndarray:
 def copy_to_host(t: torch.Tensor) -> np.ndarray:
     """``to_host`` without a profiler range (for callers that record their own)."""
     arr = np.asarray(device_array(t, host=True))
+    deferred.raise_pending()   # the program waits for the device here: report what it found
     metrics.d2h_copies += 1
     metrics.d2h_bytes += arr.nbytes
     return arr
@@ -91,3 +93,9 @@ def _upload(host: np.ndarray, device_index: int):
     # The transfer may complete asynchronously: hand PJRT a private copy so that later writes to
     # the caller's CPU tensor cannot race with it.
     return memory.jax_put(np.array(host, copy=True), device_index)
+
+
+# Every read and upload of device memory goes through these (see runtime/fork.py).
+for _name, _what in (("device_array", "reading a neuron tensor"), ("copy_to_host", "reading a neuron tensor"),
+                     ("_upload", "copying to a neuron device")):
+    fork.forbid(sys.modules[__name__], _name, _what)

@@ -42,8 +42,10 @@ def internal(filename: str) -> bool:
 
 
 def _describe(frame, via: str | None) -> dict:
-    code = frame.f_code
-    line = frame.f_lineno
+    return _site(frame.f_code, frame.f_lineno, via)
+
+
+def _site(code, line: int, via: str | None = None) -> dict:
     filename = code.co_filename
     shown = filename
     try:
@@ -89,10 +91,31 @@ def user_site(skip: int = 1) -> dict | None:
     return None
 
 
-def format_site(site: dict | None) -> str:
-    if not site:
+def place(frame):
+    """(code object, line) of the innermost user frame at or above ``frame``, or None: the cheap
+    record of a call site for code that describes it only if something goes wrong later. Ops the
+    autograd engine runs on its own thread get the main thread's user line (``loss.backward()``)."""
+    found = _walk(frame)
+    if found is None and threading.current_thread() is not threading.main_thread():
+        found = _walk(sys._current_frames().get(threading.main_thread().ident))
+    return None if found is None else (found.f_code, found.f_lineno)
+
+
+def format_place(where) -> str:
+    """"file:line in function: code" of a :func:`place`."""
+    if where is None:
         return "(no user frame)"
-    text = f"{site['file']}:{site['line']} in {site['function']}"
+    site = _site(*where)
+    return format_site(site) + (f": {site['code']}" if site["code"] else "")
+
+
+def format_site(site: dict | None, *, function: bool = True, missing: str = "(no user frame)") -> str:
+    """"file:line in function (via)" of a site dict (also the report's text of a kept call site)."""
+    if not site:
+        return missing
+    text = f"{site['file']}:{site['line']}"
+    if function:
+        text += f" in {site['function']}"
     if site.get("via"):
         text += f" ({site['via']})"
     return text

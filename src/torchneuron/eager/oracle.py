@@ -1,0 +1,126 @@
+"""CPU PyTorch as the oracle for errors that meta kernels get wrong or do not make.
+
+Eager kernels learn shapes and dtypes from PyTorch's meta kernels, which make most of the CPU
+kernels' checks. Not all: some meta kernels are Python references that raise ``ValueError`` or a
+tuple as message where CPU raises a ``RuntimeError`` (``clamp()`` without bounds, an integer
+``alpha``), some checks exist only in the CPU kernels (a reduction over no elements, memory
+overlap between what an op reads and writes). When a call fails, or is one a meta kernel cannot
+judge (it writes a tensor that overlaps itself or another argument), :func:`cpu_error` replays it
+on CPU: every neuron storage becomes a zero-filled CPU storage of the same size, every tensor the
+same view of it (dtype, sizes, strides, offset: the same aliasing), and whatever CPU raises is
+the error the user gets. This runs once per cache entry at most, never on the hot path.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+# Replays needing more CPU memory than this are skipped (the meta kernel's judgement stands).
+REPLAY_LIMIT_BYTES = 64 << 20
+
+# LAPACK-backed CPU kernels are not replayed: on zero-filled inputs some of them crash the process
+# (ormqr on complex64 samples segfaulted in PyTorch's test_ops); their meta kernels' errors stand.
+_NOT_REPLAYED = ("linalg_", "_linalg_", "ormqr", "geqrf", "householder_product", "triangular_solve",
+                 "cholesky", "lu", "_lu", "lstsq", "svd", "_svd", "eig", "symeig", "qr", "slogdet",
+                 "logdet", "det", "inverse", "pinverse", "matrix_exp", "lu_solve", "lu_unpack")
+
+# PyTorch's message for writes through overlapping memory starts with this.
+OVERLAP = "unsupported operation:"
+
+
+def cpu_error(overload, values, kwarg_only, arg_names):
+    """What ``overload`` raises on CPU for these arguments (schema order), or None if it runs (or
+    the replay would be too large to make)."""
+    base = overload.name().split("::", 1)[-1].split(".", 1)[0]
+    if base.startswith(_NOT_REPLAYED[:2]) or base.rstrip("_") in _NOT_REPLAYED[2:]:
+        return None
+    storages: dict = {}
+    budget = [REPLAY_LIMIT_BYTES]
+
+    def cpu(v):
+        if isinstance(v, torch.Tensor):
+            if v.device.type != "neuron":
+                return v
+            storage = v.untyped_storage()
+            key = storage.data_ptr()
+            base = storages.get(key)
+            if base is None:
+                budget[0] -= storage.nbytes()
+                if budget[0] < 0:
+                    raise _TooLarge
+                base = storages[key] = torch.zeros(storage.nbytes(), dtype=torch.uint8)
+            return torch.empty(0, dtype=v.dtype).set_(base.untyped_storage(), v.storage_offset(),
+                                                      v.shape, v.stride())
+        if isinstance(v, list | tuple):
+            return type(v)(cpu(x) for x in v)
+        if isinstance(v, torch.device) and v.type == "neuron":
+            return torch.device("cpu")
+        if isinstance(v, str) and v.startswith("neuron"):
+            return "cpu"
+        return v
+
+    try:
+        replay = [cpu(v) for v in values]
+    except _TooLarge:
+        return None
+    pos = [v for v, kw in zip(replay, kwarg_only) if not kw]
+    kw = {n: v for n, v, k in zip(arg_names, replay, kwarg_only) if k}
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            overload(*pos, **kw)
+    except Exception as err:   # noqa: BLE001 - whatever CPU raises is the answer
+        return err
+    return None
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def too_large(values) -> bool:
+    """Whether :func:`cpu_error` would skip this call (it returns None then: no verdict)."""
+    seen, total = set(), 0
+
+    def visit(v):
+        nonlocal total
+        if isinstance(v, torch.Tensor) and v.device.type == "neuron":
+            storage = v.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(v, list | tuple):
+            for x in v:
+                visit(x)
+
+    for v in values:
+        visit(v)
+    return total > REPLAY_LIMIT_BYTES
+
+
+def may_overlap(mutated, tensors) -> bool:
+    """Whether a written tensor overlaps itself (an expanded view) or shares its storage with
+    another argument in a way that is not the very same view: what only the CPU kernels check."""
+    for t in mutated:
+        if t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:
+            return True
+    for t in mutated:
+        ptr = t.untyped_storage().data_ptr()
+        layout = (t.shape, t.stride(), t.storage_offset(), t.dtype)
+        for other in tensors:
+            if other is t or other.device != t.device or other.untyped_storage().data_ptr() != ptr:
+                continue
+            if (other.shape, other.stride(), other.storage_offset(), other.dtype) != layout:
+                return True
+    return False
+
+
+def as_cpu_error(err: BaseException, op: str, described: str) -> BaseException:
+    """CPU's exception, with the op (its qualified name) and its neuron inputs appended."""
+    first = str(err.args[0]) if err.args else str(err)
+    try:
+        return type(err)(f"{first}\n[torchneuron] in {op}{described}")
+    except Exception:   # noqa: BLE001 - an exception type with another constructor
+        return err
