@@ -512,3 +512,108 @@ def test_inplace_ops_on_math_bit_views_like_cpu(view, op):
     ops[op](neuron)
     assert (neuron.is_conj(), neuron.is_neg()) == (cpu.is_conj(), cpu.is_neg())
     torch.testing.assert_close(neuron.cpu().resolve_conj().resolve_neg(), cpu.resolve_conj().resolve_neg())
+
+
+# test_tensor_creation_ops: random_/uniform_ ranges were not checked (from >= to drew `from`,
+# to - 1 beyond a dtype's range drew inf), and normal(mean, std) accepted a negative std tensor.
+@pytest.mark.parametrize("case", [
+    lambda d: torch.empty(8, device=d).random_(5, 3),
+    lambda d: torch.empty(8, device=d).random_(0),
+    lambda d: torch.empty(8, dtype=torch.float16, device=d).random_(0, 2 ** 20),
+    lambda d: torch.empty(8, dtype=torch.int8, device=d).random_(-200, 0),
+    lambda d: torch.empty(8, dtype=torch.bool, device=d).random_(0, 3),
+    lambda d: torch.empty(8, device=d).uniform_(1, 0),
+    lambda d: torch.empty(8, device=d).uniform_(-3e38, 3e38),
+    lambda d: torch.normal(torch.zeros(3, device=d), torch.tensor([1.0, -1.0, 1.0], device=d)),
+    lambda d: torch.normal(0.0, torch.tensor([1.0, -1.0], device=d)),
+], ids=["from-ge-to", "to-zero", "to-beyond-half", "from-beyond-int8", "to-beyond-bool",
+        "uniform-reversed", "uniform-span-overflow", "normal-negative-std", "normal-float-mean"])
+def test_random_ranges_rejected_as_on_cpu(case):
+    expected = _error(case, "cpu")
+    assert expected is not None
+    assert _error(case, "neuron") == expected
+
+
+def test_random_float_range_warns_as_on_cpu():
+    with pytest.warns(UserWarning, match="to - 1 is out of bounds"):
+        torch.empty(4, device="neuron").random_(0, 2 ** 30)
+
+
+@pytest.mark.parametrize("dtype, from_, to", [
+    (torch.bool, 0, None), (torch.int64, -2 ** 63, None), (torch.int64, -42, None),
+    (torch.int8, -128, None), (torch.uint8, 0, 256), (torch.float16, 0, None), (torch.float32, -5, 3),
+])
+def test_random_draws_cover_the_range_of_each_dtype(dtype, from_, to):
+    # bool and int64's full 64-bit range used to fail to compile; int64's range was cut at 2^62.
+    t = torch.empty(4000, dtype=dtype, device="neuron")
+    t.random_(from_, to) if (from_, to) != (0, None) else t.random_()
+    got = t.cpu().to(torch.float64)
+    if to is None:
+        hi = {torch.bool: 1, torch.float16: 2 ** 11}.get(dtype) or torch.iinfo(dtype).max
+    else:
+        hi = to - 1
+    assert got.min() >= from_ and got.max() <= hi
+    span = hi - from_
+    assert got.min() < from_ + 0.1 * span + 1 and got.max() > hi - 0.1 * span - 1
+
+
+def test_random_without_arguments_is_uniform_over_booleans():
+    t = torch.empty(4000, dtype=torch.bool, device="neuron").random_().cpu()
+    assert 0.4 < t.float().mean() < 0.6
+
+
+# linspace/logspace out= computed in float and then cast (CPU converts the ends to an integer
+# out's dtype first); steps=1 with a complex start failed to compile; torch.range ran on CPU.
+@pytest.mark.parametrize("case", [
+    lambda d: torch.linspace(0.3, 1.9, 9, out=torch.empty(0, dtype=torch.int16, device=d)),
+    lambda d: torch.logspace(0.3, 1.9, 5, out=torch.empty(0, dtype=torch.int32, device=d)),
+    lambda d: torch.linspace(1 + 1j, 2 + 3j, 1, device=d),
+    lambda d: torch.range(1, 2, 0.3, device=d),
+    lambda d: torch.range(5, 1, -2, dtype=torch.int32, device=d),
+    lambda d: torch.arange(6, out=torch.empty(2, 3, device=d)),
+], ids=["linspace-int-out", "logspace-int-out", "linspace-complex-one-step",
+        "range", "range-int-descending", "arange-out-keeps-shape"])
+def test_factories_match_cpu(case):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected, got = case("cpu"), case("neuron").cpu()
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_linspace_out_matches_linspace():
+    got = torch.linspace(0.3, 1.9, 137, out=torch.empty(0, device="neuron"))
+    torch.testing.assert_close(got, torch.linspace(0.3, 1.9, 137, device="neuron"), atol=0, rtol=0)
+    torch.testing.assert_close(got.cpu(), torch.linspace(0.3, 1.9, 137))
+
+
+def test_range_runs_on_neuron_without_fallback():
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.range(0, 3, device="neuron")
+    assert [str(w.message)[:24] for w in caught] == ["torch.range is deprecate"]
+
+
+def test_arange_out_resize_warns_with_arange_text():
+    with pytest.warns(UserWarning, match="The number of elements in the out tensor of shape"):
+        out = torch.arange(5, out=torch.empty(2, 3, device="neuron"))
+    assert out.shape == (5,)
+
+
+@pytest.mark.parametrize("case", [
+    lambda d: torch.ones(2, device=d).new_empty_strided((2,), ()),
+    lambda d: torch.empty_strided((2, 3), (1,), device=d),
+    lambda d: torch.repeat_interleave(torch.arange(4, device=d).reshape(2, 2)),
+    lambda d: torch.repeat_interleave(torch.tensor([1, 2, -1, 3], device=d)),
+], ids=["new_empty_strided-dims", "empty_strided-dims", "repeat_interleave-2d", "repeat_interleave-negative"])
+def test_factory_argument_errors_as_on_cpu(case):
+    expected = _error(case, "cpu")
+    assert expected is not None
+    assert _error(case, "neuron") == expected
+
+
+def test_repeat_interleave_float_repeats_raise():
+    with pytest.raises(RuntimeError):
+        torch.repeat_interleave(torch.arange(4.0, device="neuron"))

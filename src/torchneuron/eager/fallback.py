@@ -36,7 +36,14 @@ _SKIP_DECOMPOSITION = {
 # ATen's kernels for these resize ``out`` only when its element count differs from the result's: an
 # ``out`` of another shape (a (2, 2) view for 4 steps) keeps its shape and is filled in its element
 # order. PyTorch's Python references resize it to the result's shape, which rewrites a view's layout.
-_KEEP_OUT_SHAPE = {"aten::linspace.out", "aten::logspace.out", "aten::arange.out", "aten::arange.start_out"}
+# Factories whose out= keeps the out tensor's shape when the element counts match: the functional
+# overload that computes them.
+_KEEP_OUT_SHAPE = {
+    "aten::linspace.out": torch.ops.aten.linspace.default,
+    "aten::logspace.out": None,   # no lowering: PyTorch's decomposition, into a fresh out
+    "aten::arange.out": torch.ops.aten.arange.default,
+    "aten::arange.start_out": torch.ops.aten.arange.start_step,
+}
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -88,7 +95,7 @@ def neuron_fallback(op, *args, **kwargs):
 
 def _neuron_fallback(op, *args, **kwargs):
     name = op.name()
-    if name in _KEEP_OUT_SHAPE and op in decomposition_table and op not in _active():
+    if name in _KEEP_OUT_SHAPE and op not in _active():
         return _keep_out_shape(op, args, kwargs)
     if name not in _SKIP_DECOMPOSITION:
         decomp = decomposition_table.get(op)
@@ -151,20 +158,33 @@ def _check_written_devices(op, args, kwargs, device) -> None:
 
 
 def _keep_out_shape(op, args, kwargs):
-    """The op's decomposition into a fresh empty ``out`` (which it may resize freely), then written
-    into the caller's in its own shape when the element counts match (ATen's rule for these ops)."""
+    """The op's functional form (lowered) computed in out's dtype (ATen's: linspace(0.3, 1.9, out=int16) spaces the integer ends 0 and 1), then
+    written into the caller's in its own shape when the element counts match (ATen's rule for these
+    ops); otherwise ``out`` is resized, with arange's own warning where ATen gives one."""
     (name,) = out_names(op)
     kwargs = dict(kwargs)
     out = kwargs.pop(name)
-    metrics.decompositions[op.name().split("::", 1)[1]] += 1
+    metrics.decompositions[op_key(op.name())] += 1
     active = _active()
     active.add(op)
     try:
-        value = decomposition_table[op](*args, **kwargs, **{name: out.new_empty(0)})
+        functional = _KEEP_OUT_SHAPE[op.name()]
+        if functional is None:
+            value = decomposition_table[op](*args, **kwargs, dtype=out.dtype, **{name: out.new_empty(0)})
+        else:
+            value = functional(*args, **dict(kwargs, dtype=out.dtype, device=out.device))
     finally:
         active.discard(op)
     if out.numel() == value.numel():
         value = value.reshape(out.shape)
+    elif out.shape != value.shape:
+        if out.numel() and op.name().startswith("aten::arange"):
+            warnings.warn(
+                f"The number of elements in the out tensor of shape {list(out.shape)} is {out.numel()} "
+                f"which does not match the computed number of elements {value.numel()}. Note that this "
+                "may occur as a result of rounding error. The out tensor will be resized to a tensor of "
+                f"shape ({value.numel()},).", stacklevel=_caller_stacklevel())
+        out.resize_(value.shape)
     write_out(out, value, op.name())
     return out
 

@@ -98,5 +98,12 @@ def fused_sdp_choice(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
 
 
 def repeat_interleave_tensor(repeats: torch.Tensor, *, output_size=None) -> torch.Tensor:
+    # CPU's checks and messages: the counts come to the host anyway (they size the result).
+    if repeats.dim() != 1:
+        raise RuntimeError("repeat_interleave only accept 1D vector as repeat")
+    if repeats.dtype not in (torch.int32, torch.int64):
+        raise RuntimeError("repeats has to be Long or Int tensor")
     host = transfers.to_host(repeats).astype(np.int64)
+    if (host < 0).any():
+        raise RuntimeError("repeats can not be negative")
     return _upload_int64(np.repeat(np.arange(host.shape[0]), host), repeats.device.index or 0)

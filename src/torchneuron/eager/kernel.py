@@ -50,7 +50,7 @@ from ..runtime import deferred, executable_store, layout, memory, pjrt, rng, sit
 from ..runtime.device import current_device, device_mismatch_error
 from ..runtime.dtypes import device_dtype, dtype_name, jax_dtype, torch_dtype
 from ..runtime.values import offset_array, scalar_array
-from . import oracle
+from . import argument_checks, oracle
 
 _records = memory.allocator.records
 
@@ -123,11 +123,14 @@ class Kernel(OpSignature):
         # (argument index, needs _freeze) of each compiled-in argument.
         self.statics = tuple((i, str(args[i].type) not in _PLAIN_STATIC) for i in self.static)
         self.keys = []     # this kernel's cache keys, for the reason of the next compile
+        self.argument_check = argument_checks.CHECKS.get(self.short_name)   # random ops only
         Kernel.instances.append(self)
 
     # -- the hot path ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         metrics.op_calls[self.short_name] += 1
+        if self.argument_check is not None:   # a few random ops (eager/argument_checks.py)
+            self.argument_check(self, self.bind(args, kwargs))
         rec = recorder
         if rec is not None:   # adaptive eager replaying a known op sequence: no key to build
             out = rec.replay(self, args, kwargs)

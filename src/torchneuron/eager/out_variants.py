@@ -31,9 +31,10 @@ class OutKernel:
         self.signature = OpSignature(overload, None)
         self.checked: set = set()   # (out dtypes, result dtypes) whose out= rules CPU accepted
         # Reductions take their computation dtype from ``out`` when no ``dtype`` is given (ATen's
-        # infer_dtype_from_optional): sum(float, out=int64) sums int64 values.
+        # infer_dtype_from_optional): sum(float, out=int64) sums int64 values; torch.range computes in
+        # out's dtype (linspace/logspace/arange: eager/fallback.py's _keep_out_shape).
         self.dtype_from_out = (overload._schema.name.split("::", 1)[1] in _DTYPE_FROM_OUT
-                               and "dtype" in self.signature.index_of)
+                               and "dtype" in getattr(functional_kernel, "index_of", ()))
 
     def __call__(self, *args, **kwargs):
         outs = [kwargs.pop(n) for n in self.out_names]
@@ -58,7 +59,7 @@ class OutKernel:
         return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-_DTYPE_FROM_OUT = {"sum", "nansum", "prod", "cumsum", "cumprod"}
+_DTYPE_FROM_OUT = {"sum", "nansum", "prod", "cumsum", "cumprod", "range"}
 
 
 def check_out_devices(outs, device) -> None:

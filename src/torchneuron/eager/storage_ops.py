@@ -41,6 +41,9 @@ def empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=N
 
 
 def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    if len(size) != len(stride):   # CPU's check (the meta kernel is not consulted here)
+        raise RuntimeError(f"dimensionality of sizes ({len(size)}) must match dimensionality of strides "
+                           f"({len(stride)})")
     dtype = device_dtype(dtype or torch.get_default_dtype(), "empty_strided")
     jax_dtype(dtype)
     return memory.allocator.new_tensor(tuple(int(s) for s in size), tuple(int(s) for s in stride), dtype,

@@ -55,6 +55,24 @@ def arange(start, end, step=1, **factory):
     return _arange(start, end, step, factory.get("dtype"))
 
 
+@lowering("range.step", static_scalars=True)
+def range_step(start, end, step=1, **factory):
+    return _range(start, end, step, factory.get("dtype"))
+
+
+@lowering("range.default", static_scalars=True)
+def range_default(start, end, **factory):
+    return _range(start, end, 1, factory.get("dtype"))
+
+
+def _range(start, end, step, dtype=None):
+    """torch.range (deprecated, kept for old scripts): [start, end] *with* end, sized in double."""
+    n = int(math.floor((end - start) / step)) + 1
+    if _is_integral(dtype):
+        return int(start) + jnp.arange(max(n, 0), dtype=jnp.int64) * int(step)
+    return start + jnp.arange(max(n, 0), dtype=jnp.float64) * step
+
+
 def _is_integral(dtype) -> bool:
     return dtype is not None and not (dtype.is_floating_point or dtype.is_complex)
 
@@ -84,8 +102,8 @@ def linspace(start, end, steps, **factory):
         start, end = int(start), int(end)
     if steps == 0:
         return jnp.zeros((0,), jnp.float64)
-    if steps == 1:
-        return jnp.full((1,), start, jnp.float64)
+    if steps == 1:   # the start as given (a complex start stays complex); the caller casts
+        return jnp.full((1,), start)
     step = (end - start) / (steps - 1)
     idx = jnp.arange(steps, dtype=jnp.float64)
     # Filled from both ends, as PyTorch does, so the last element is exactly `end`.
@@ -146,28 +164,47 @@ def normal_tensor_tensor(mean, std, *, generator=None, key):
 
 @lowering("random_.from", random=True, overwrites=True)
 def random_from(self, from_, to, *, generator=None, key):
-    hi = to if to is not None else _dtype_max(self.dtype) + 1
-    return jax.random.randint(key, self.shape, from_, hi, dtype=jnp.int64).astype(self.dtype)
+    if to is None:   # [from, the dtype's largest integer]; from = int64's minimum: all 64 bits
+        span = _random_max(self.dtype) - _as_u64(from_) + jnp.uint64(1)
+    else:            # [from, to); the range checks ran before the call (eager/host_checks.py)
+        span = _as_u64(to) - _as_u64(from_)
+    return _random_ints(key, self.shape, from_, span, self.dtype)
 
 
 @lowering("random_.to", random=True, overwrites=True)
 def random_to(self, to, *, generator=None, key):
-    return jax.random.randint(key, self.shape, 0, to, dtype=jnp.int64).astype(self.dtype)
+    return _random_ints(key, self.shape, 0, _as_u64(to), self.dtype)
 
 
 @lowering("random_.default", random=True, overwrites=True)
 def random_default(self, *, generator=None, key):
-    hi = _dtype_max(self.dtype) + 1 if jnp.issubdtype(self.dtype, jnp.integer) else 2 ** min(
-        jnp.finfo(self.dtype).nmant + 1, 53) + 1
-    return jax.random.randint(key, self.shape, 0, min(hi, 2 ** 62), dtype=jnp.int64).astype(self.dtype)
+    # [0, the dtype's largest integer]: 2^digits for floating dtypes (every integer is exact).
+    return _random_ints(key, self.shape, 0, _random_max(self.dtype) + jnp.uint64(1), self.dtype)
 
 
-def _dtype_max(dtype):
+def _random_max(dtype):
+    """The largest value random_ draws for ``dtype``, as a uint64 (ATen's ``to_inc``)."""
     if dtype == jnp.bool_:
-        return 1
+        return jnp.uint64(1)
     if jnp.issubdtype(dtype, jnp.integer):
-        return int(jnp.iinfo(dtype).max)
-    return 2 ** (jnp.finfo(dtype).nmant + 1)
+        return jnp.uint64(int(jnp.iinfo(dtype).max))
+    return jnp.uint64(2 ** min(jnp.finfo(dtype).nmant + 1, 63))
+
+
+def _as_u64(v):
+    """An int64 value's two's-complement bits as a uint64 (wrapping arithmetic, as in C)."""
+    return jax.lax.bitcast_convert_type(jnp.asarray(v).astype(jnp.int64), jnp.uint64)
+
+
+def _random_ints(key, shape, low, span, dtype):
+    """Integers uniform in [low, low + span) (``span`` uint64; 0 means 2^64), as ATen draws them:
+    64 random bits modulo the span, added to ``low`` in wrapping int64 arithmetic."""
+    bits = jax.random.bits(key, shape, jnp.uint64)
+    drawn = jnp.where(span == 0, bits, bits % jnp.where(span == 0, jnp.uint64(1), span))
+    value = jax.lax.bitcast_convert_type(drawn + _as_u64(low), jnp.int64)
+    if dtype == jnp.bool_:
+        return value != 0
+    return value.astype(dtype)
 
 
 @lowering("exponential_.default", random=True, overwrites=True)

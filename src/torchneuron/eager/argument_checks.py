@@ -1,0 +1,38 @@
+"""Argument checks of random ops that neither meta kernels nor lowerings can make.
+
+``random_(from, to)`` and ``uniform_(from, to)`` check their range against the tensor's dtype, and
+``normal(mean, std)`` checks that no element of a tensor ``std`` is negative. The ranges are runtime
+values of the executables (one executable serves every range), and meta kernels skip these checks,
+so the eager kernel runs the check below before each call of these ops (no other op pays for it):
+the range checks replay the call on an empty CPU tensor of the same dtype, so the errors and
+warnings are CPU PyTorch's own; the ``std`` check reads one bool from the device, as CUDA does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _replay_on_empty_cpu(kernel, values) -> None:
+    """Run the op on an empty CPU tensor of ``self``'s dtype: ATen checks the range (and warns)
+    before it looks at the elements. float64 tensors are checked as float64 (the user's dtype)."""
+    positional = [v for v, kw in zip(values, kernel.kwarg_only) if not kw]
+    try:
+        kernel.overload(torch.empty(0, dtype=values[0].dtype), *positional[1:])
+    except RuntimeError as err:
+        raise RuntimeError(f"{err}\n[torchneuron] in {kernel.name}") from None
+
+
+def _std_not_negative(kernel, values) -> None:
+    std = values[kernel.index_of["std"]]
+    if isinstance(std, torch.Tensor) and std.numel() and not bool((std >= 0).all()):
+        raise RuntimeError("normal expects all elements of std >= 0.0")
+
+
+CHECKS = {
+    "random_.from": _replay_on_empty_cpu,
+    "random_.to": _replay_on_empty_cpu,
+    "uniform_": _replay_on_empty_cpu,
+    "normal.Tensor_Tensor": _std_not_negative,
+    "normal.float_Tensor": _std_not_negative,
+}
