@@ -617,3 +617,34 @@ def test_factory_argument_errors_as_on_cpu(case):
 def test_repeat_interleave_float_repeats_raise():
     with pytest.raises(RuntimeError):
         torch.repeat_interleave(torch.arange(4.0, device="neuron"))
+
+
+# test_type_promotion.test_alpha_mismatch: add/sub with a float alpha on integer tensors computed
+# a truncated product where CPU raises.
+@pytest.mark.parametrize("case", [
+    lambda d: torch.add(torch.ones(2, dtype=torch.int64, device=d), torch.ones(2, dtype=torch.int64, device=d),
+                        alpha=1.1),
+    lambda d: torch.ones(2, dtype=torch.int32, device=d).sub_(1, alpha=0.5),
+    lambda d: torch.add(torch.ones(2, device=d), torch.ones(2, device=d), alpha=1j),
+], ids=["int-float-alpha", "int-sub_-float-alpha", "float-complex-alpha"])
+def test_alpha_type_rejected_as_on_cpu(case):
+    expected = _error(case, "cpu")
+    assert expected is not None
+    assert _error(case, "neuron") == expected
+
+
+def test_alpha_of_matching_kind_still_scales():
+    got = torch.add(torch.ones(2, dtype=torch.int32, device="neuron"), 3, alpha=2).cpu()
+    assert got.tolist() == [7, 7] and got.dtype == torch.int32
+
+
+# TestCommon.test_out_cholesky: linear-algebra out= tensors skipped the cast check (CPU does not
+# replay these ops, and "no verdict" was taken as "allowed"), so a long out received a float result.
+@pytest.mark.parametrize("op", [torch.linalg.cholesky, torch.linalg.inv])
+def test_linalg_out_refuses_an_unsafe_cast(op):
+    a = torch.eye(3, device="neuron")
+    with pytest.raises(RuntimeError, match="can't be cast"):
+        op(a, out=torch.empty(0, dtype=torch.int64, device="neuron"))
+    out = torch.empty(0, device="neuron")
+    op(a, out=out)
+    torch.testing.assert_close(out.cpu(), op(torch.eye(3)))

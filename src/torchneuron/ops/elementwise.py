@@ -14,7 +14,7 @@ from jax.scipy import special as jsp
 
 from .checks import nonzero_divisor
 from .numerics import compute_dtype
-from .registry import lowering
+from .registry import InvalidArguments, lowering
 
 
 def _is_int(x) -> bool:
@@ -24,6 +24,7 @@ def _is_int(x) -> bool:
 # -- arithmetic ----------------------------------------------------------------------------------
 @lowering("add.Tensor", "add.Scalar", promote="result", promote_args=("self", "other"))
 def add(self, other, alpha=1):
+    _check_alpha(self, alpha)
     if jnp.result_type(self) == jnp.bool_:
         return jnp.logical_or(self, jnp.logical_and(other, alpha))
     return _scaled(lambda a, b: a + b, self, other, alpha)
@@ -31,12 +32,24 @@ def add(self, other, alpha=1):
 
 @lowering("sub.Tensor", "sub.Scalar", promote="result", promote_args=("self", "other"))
 def sub(self, other, alpha=1):
+    _check_alpha(self, alpha)
     return _scaled(lambda a, b: a - b, self, other, alpha)
 
 
 @lowering("rsub.Tensor", "rsub.Scalar", promote="result", promote_args=("self", "other"))
 def rsub(self, other, alpha=1):
+    _check_alpha(self, alpha)
     return _scaled(lambda a, b: a - b, other, self, alpha)
+
+
+def _check_alpha(result, alpha) -> None:
+    """ATen's alpha_check, which meta kernels skip; alpha's Python type is part of the cache key, so
+    this runs once per key, while the executable is traced."""
+    dtype, kind = jnp.result_type(result), jnp.result_type(alpha)
+    if (_is_int(result)) and jnp.issubdtype(kind, jnp.inexact):
+        raise InvalidArguments("For integral input tensors, argument alpha must not be a floating point number.")
+    if not jnp.issubdtype(dtype, jnp.complexfloating) and jnp.issubdtype(kind, jnp.complexfloating):
+        raise InvalidArguments("For non-complex input tensors, argument alpha must not be a complex number.")
 
 
 def _scaled(op, self, other, alpha):
