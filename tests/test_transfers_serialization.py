@@ -100,3 +100,24 @@ def test_module_to_keeps_tied_parameters_tied():
     with torch.no_grad():
         model["emb"].weight.mul_(0)
     assert model["head"].weight.abs().sum().item() == 0
+
+
+def test_item_in_a_loop_copies_the_buffer_once_and_sees_every_write():
+    # .item() per element (for v in t, x[i].item(), all(mask)) used to run a device read per
+    # element; reads of one (immutable) buffer now share one host copy.
+    from torchneuron.metrics import metrics
+    x = torch.arange(100, device="neuron")
+    before = metrics.d2h_copies
+    assert [x[i].item() for i in range(100)] == list(range(100))
+    assert metrics.d2h_copies - before <= 2
+    assert all(torch.arange(1, 50, device="neuron") > 0)
+    x.add_(1)                       # a write gives the storage a new buffer: no stale reads
+    assert [x[i].item() for i in (5, 6, 7)] == [6, 7, 8]
+    x[7] = 100
+    assert x[7].item() == 100 and x[8].item() == 9
+    y = x.view(10, 10)[:, 3]        # strided views and other dtypes read the right element
+    assert [v.item() for v in y] == [10 * i + 4 for i in range(10)]
+    h = torch.tensor([1.5, -2.25], dtype=torch.float16, device="neuron")
+    assert [h[0].item(), h[1].item(), h[0].item()] == [1.5, -2.25, 1.5]
+    b = torch.tensor([True, False, True], device="neuron")
+    assert [bool(v) for v in b] == [True, False, True]

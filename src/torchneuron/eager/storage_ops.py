@@ -142,7 +142,7 @@ def to_copy(self: torch.Tensor, *, dtype=None, layout=None, device=None, pin_mem
 
 
 def local_scalar_dense(t: torch.Tensor):
-    value = transfers.to_host(t).reshape(()).item()
+    value = transfers.read_element(t).item()
     if t.dtype.is_floating_point:
         return float(value)
     if t.dtype == torch.bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 
 import jax
 import ml_dtypes
@@ -78,6 +79,53 @@ def copy_to_host(t: torch.Tensor) -> np.ndarray:
     metrics.d2h_copies += 1
     metrics.d2h_bytes += arr.nbytes
     return arr
+
+
+# ``.item()`` in a loop (``for v in t``, ``x[i].item()``, ``all(mask)``) reads many elements of one
+# device buffer. Buffers are immutable (a write gives its storage a new one), so the second read of
+# the same buffer copies all of it to the host once and later reads index that copy: one transfer
+# for the loop instead of one device op and one transfer per element. Buffers above this size
+# (bytes) are still read element by element.
+HOST_COPY_LIMIT = 64 << 20
+
+
+class _LastRead:
+    __slots__ = ("buffer", "host")
+
+    def __init__(self):
+        self.buffer = None   # weak reference to the buffer read last
+        self.host = None     # its host copy, once a second read asked for it
+
+
+_last_read = _LastRead()
+
+
+def read_element(t: torch.Tensor):
+    """The value of a one-element neuron tensor (``_local_scalar_dense``) as a NumPy scalar."""
+    rec = memory.record_of(t)
+    buf = memory.empty_buffer(rec)
+    last = _last_read
+    same = last.buffer is not None and last.buffer() is buf
+    if same and last.host is not None:
+        deferred.raise_pending()
+        return last.host[t.storage_offset()]
+    if same and buf.ndim == 1 and buf.dtype == np.dtype(jax_dtype(t.dtype)) and buf.nbytes <= HOST_COPY_LIMIT:
+        tracer = metrics.tracer
+        last.host = tracer.copy("d2h", _copy_buffer, buf) if tracer is not None else _copy_buffer(buf)
+        return last.host[t.storage_offset()]
+    try:
+        last.buffer, last.host = weakref.ref(buf), None
+    except TypeError:   # a buffer type without weak references: no reuse
+        last.buffer, last.host = None, None
+    return to_host(t).reshape(())[()]
+
+
+def _copy_buffer(buf) -> np.ndarray:
+    host = np.asarray(buf)
+    deferred.raise_pending()
+    metrics.d2h_copies += 1
+    metrics.d2h_bytes += host.nbytes
+    return host
 
 
 def upload(host: np.ndarray, device_index: int):
