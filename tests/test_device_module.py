@@ -22,6 +22,22 @@ def test_accelerator_api():
     assert torch.accelerator.device_count() == torch.neuron.device_count() >= 1
 
 
+def test_accelerator_synchronize_is_neuron_synchronize():
+    # torch.accelerator.synchronize() ends in the device guard's synchronizeDevice, which a Python
+    # backend's guard cannot override: once the accelerator was initialised (current_device_index
+    # does it) PyTorch raised "Backend doesn't support synchronizing all streams on device".
+    torch.accelerator.current_device_index()
+    x = torch.ones(3, 4, device="neuron")
+    for device in (None, 0, "neuron:0", torch.device("neuron", 0)):
+        torch.accelerator.synchronize(device)
+    # It waits for the device as torch.neuron.synchronize() does: a device-side error surfaces.
+    x.index_select(0, torch.tensor([5], device="neuron"))
+    with pytest.raises(IndexError, match="index out of range in self"):
+        torch.accelerator.synchronize()
+    with pytest.raises(ValueError, match="doesn't match the current accelerator"):
+        torch.accelerator.synchronize("cpu")
+
+
 def test_device_module_functions():
     m = torch.neuron
     assert m.is_available()

@@ -290,6 +290,27 @@ def stream(stream):
     return _noop()
 
 
+# torch.accelerator.synchronize() ends in the device guard's synchronizeDevice, which a Python
+# backend's guard cannot override (only its type is): once the accelerator is initialised PyTorch's
+# default raises "Backend doesn't support synchronizing all streams on device". For neuron it is
+# synchronize() above; other accelerators keep PyTorch's function.
+_accelerator_synchronize = torch.accelerator.synchronize
+
+
+def _synchronize_accelerator(device=None, /) -> None:
+    acc = torch.accelerator.current_accelerator()
+    if acc is None or acc.type != "neuron":
+        return _accelerator_synchronize(device)
+    if isinstance(device, (str, torch.device)) and torch.device(device).type != "neuron":
+        raise ValueError(f"{torch.device(device).type} doesn't match the current accelerator {acc}.")
+    synchronize(_index(device))
+
+
+def install_accelerator_synchronize() -> None:
+    _synchronize_accelerator.__doc__ = _accelerator_synchronize.__doc__
+    torch.accelerator.synchronize = _synchronize_accelerator
+
+
 # -- autocast and dtype capabilities -------------------------------------------------------------
 def get_amp_supported_dtype() -> list:
     """Dtypes ``torch.autocast("neuron", dtype=...)`` accepts (the lowerings run both natively)."""
