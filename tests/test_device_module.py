@@ -22,6 +22,45 @@ def test_accelerator_api():
     assert torch.accelerator.device_count() == torch.neuron.device_count() >= 1
 
 
+def test_accelerator_synchronize_is_neuron_synchronize():
+    # torch.accelerator.synchronize() ends in the device guard's synchronizeDevice, which a Python
+    # backend's guard cannot override: once the accelerator was initialised (current_device_index
+    # does it) PyTorch raised "Backend doesn't support synchronizing all streams on device".
+    torch.accelerator.current_device_index()
+    x = torch.ones(3, 4, device="neuron")
+    for device in (None, 0, "neuron:0", torch.device("neuron", 0)):
+        torch.accelerator.synchronize(device)
+    # It waits for the device as torch.neuron.synchronize() does: a device-side error surfaces.
+    x.index_select(0, torch.tensor([5], device="neuron"))
+    with pytest.raises(IndexError, match="index out of range in self"):
+        torch.accelerator.synchronize()
+    with pytest.raises(ValueError, match="doesn't match the current accelerator"):
+        torch.accelerator.synchronize("cpu")
+
+
+def test_accelerator_memory_functions_report_neuron_memory():
+    # PyTorch's torch.accelerator memory functions ask for a CachingDeviceAllocator, which a Python
+    # backend cannot register: every one of them failed with an INTERNAL ASSERT.
+    x = torch.ones(1024, device="neuron")
+    assert torch.accelerator.memory_allocated() == torch.neuron.memory_allocated() >= x.nbytes
+    assert torch.accelerator.memory_reserved(0) == torch.neuron.memory_reserved(0)
+    assert torch.accelerator.max_memory_allocated("neuron:0") == torch.neuron.max_memory_allocated()
+    assert torch.accelerator.max_memory_reserved() >= torch.accelerator.memory_reserved()
+    stats = torch.accelerator.memory_stats()
+    assert stats["allocated_bytes.all.current"] == torch.neuron.memory_allocated()
+    y = torch.ones(4096, device="neuron")
+    del y
+    torch.accelerator.reset_peak_memory_stats()
+    assert torch.accelerator.max_memory_allocated() == torch.neuron.memory_allocated()
+    torch.accelerator.reset_accumulated_memory_stats()
+    assert torch.accelerator.memory_stats()["num_allocs"] == 0
+    torch.accelerator.empty_cache()
+    with pytest.raises(RuntimeError, match="torch.neuron.memory_allocated"):
+        torch.accelerator.get_memory_info()
+    with pytest.raises(ValueError, match="doesn't match the current accelerator"):
+        torch.accelerator.memory_allocated("cpu")
+
+
 def test_device_module_functions():
     m = torch.neuron
     assert m.is_available()

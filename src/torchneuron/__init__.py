@@ -59,6 +59,7 @@ def register() -> None:
     # The `neuron` c10d backend: a registry entry only (torch.distributed is already imported).
     distributed.register()
     device_module.install_storage_resize()   # FSDP2 frees parameters with storage.resize_(0)
+    device_module.install_accelerator_functions()   # torch.accelerator.synchronize, memory_*
     serialization.install()
     pinned.install()           # Tensor.pin_memory() with neuron as the accelerator
     profiler.install_hooks()   # neuron ranges in torch.profiler traces

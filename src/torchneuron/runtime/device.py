@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import sys
 import threading
@@ -197,6 +198,11 @@ def reset_peak_memory_stats(device=None) -> None:
     memory.allocator.peak[index] = memory.allocator.allocated.get(index, 0)
 
 
+def reset_accumulated_memory_stats(device=None) -> None:
+    _index(device)
+    memory.allocator.num_allocs = memory.allocator.num_frees = 0
+
+
 def memory_stats(device=None) -> dict:
     index = _index(device)
     a = memory.allocator
@@ -288,6 +294,48 @@ def set_stream(stream) -> None:
 def stream(stream):
     """``with torch.neuron.stream(s):`` — a no-op context, as every stream is the device's queue."""
     return _noop()
+
+
+# -- torch.accelerator ------------------------------------------------------------------------------
+# torch.accelerator's synchronize and memory functions end in C++ hooks a Python backend cannot
+# provide: the device guard's synchronizeDevice (only the guard's type is overridable; PyTorch's
+# default raises "Backend doesn't support synchronizing all streams on device" once the accelerator
+# is initialised) and a CachingDeviceAllocator (an INTERNAL ASSERT). With neuron the current
+# accelerator they are this module's functions; other accelerators keep PyTorch's.
+def _get_memory_info(device=None):
+    raise RuntimeError(
+        "torchneuron: torch.accelerator.get_memory_info() (free and total bytes) is not available for "
+        "neuron; use torch.neuron.memory_allocated() and torch.neuron.get_device_properties().total_memory")
+
+
+# torch.accelerator's name -> the neuron function it runs.
+_ACCELERATOR_FUNCTIONS = {name: name for name in (
+    "synchronize", "empty_cache", "memory_stats", "memory_allocated", "max_memory_allocated",
+    "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats",
+    "reset_accumulated_memory_stats")} | {"get_memory_info": "_get_memory_info"}
+
+
+def _accelerator_function(theirs, ours):
+    @functools.wraps(theirs)
+    def routed(*args):
+        acc = torch.accelerator.current_accelerator()
+        if acc is None or acc.type != "neuron":
+            return theirs(*args)
+        for device in args:   # a device index / device / string, as torch.accelerator takes it
+            if isinstance(device, (str, torch.device)) and torch.device(device).type != "neuron":
+                raise ValueError(f"{torch.device(device).type} doesn't match the current accelerator {acc}.")
+        return ours(*(_index(device) for device in args))
+
+    return routed
+
+
+def install_accelerator_functions() -> None:
+    import torch.accelerator.memory as accelerator_memory
+    for name, ours in _ACCELERATOR_FUNCTIONS.items():
+        routed = _accelerator_function(getattr(torch.accelerator, name), globals()[ours])
+        setattr(torch.accelerator, name, routed)
+        if hasattr(accelerator_memory, name):
+            setattr(accelerator_memory, name, routed)
 
 
 # -- autocast and dtype capabilities -------------------------------------------------------------

@@ -63,7 +63,7 @@ FILES: dict[str, tuple[str, ...] | None] = {
     "nn/test_convolution.py": ("TestConvolutionNNDeviceType",),
     "nn/test_pooling.py": ("TestPoolingNNDeviceType",),
     "test_linalg.py": None,
-    "test_autograd.py": ("TestAutogradDeviceType",),
+    "test_autograd.py": ("TestAutogradDeviceType", "TestAutogradStreamSynchronization"),
 }
 
 REASON_CLASSES = {
