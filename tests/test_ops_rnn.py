@@ -111,3 +111,41 @@ def test_inference_mode(strict_fallback):
     with torch.inference_mode():
         out, _ = m.to("neuron")(x.to("neuron"))
     torch.testing.assert_close(out.cpu(), ref.detach(), atol=1e-5, rtol=1e-4)
+
+
+# nn.LSTMCell / nn.GRUCell and packed-sequence RNNs reach ATen's fused cell kernels
+# (_thnn_fused_lstm_cell, _thnn_fused_gru_cell) on PrivateUse1 devices; they had no lowering and
+# failed ("Could not run 'aten::_thnn_fused_lstm_cell' with arguments from the 'CPU' backend").
+@pytest.mark.parametrize("cell", [torch.nn.LSTMCell, torch.nn.GRUCell])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cells_match_cpu_forward_and_backward(cell, bias):
+    torch.manual_seed(0)
+    ref = cell(4, 3, bias=bias)
+    dev = cell(4, 3, bias=bias).to("neuron")
+    dev.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 4, requires_grad=True)
+    xd = x.detach().to("neuron").requires_grad_()
+    h = (torch.randn(2, 3), torch.randn(2, 3)) if cell is torch.nn.LSTMCell else torch.randn(2, 3)
+    hd = tuple(t.to("neuron") for t in h) if isinstance(h, tuple) else h.to("neuron")
+    outs, outs_d = ref(x, h), dev(xd, hd)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    outs_d = outs_d if isinstance(outs_d, tuple) else (outs_d,)
+    sum(o.pow(2).sum() * (k + 1) for k, o in enumerate(outs)).backward()
+    sum(o.pow(2).sum() * (k + 1) for k, o in enumerate(outs_d)).backward()
+    for a, b in zip(outs, outs_d):
+        torch.testing.assert_close(b.cpu(), a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(xd.grad.cpu(), x.grad, atol=1e-5, rtol=1e-5)
+    for p, q in zip(ref.parameters(), dev.parameters()):
+        torch.testing.assert_close(q.grad.cpu(), p.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", [torch.nn.LSTM, torch.nn.GRU])
+def test_packed_sequences_match_cpu(mode):
+    torch.manual_seed(0)
+    ref = mode(4, 3)
+    dev = mode(4, 3).to("neuron")
+    dev.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 2, 4)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, [5, 3])
+    packed_d = torch.nn.utils.rnn.pack_padded_sequence(x.to("neuron"), [5, 3])
+    torch.testing.assert_close(dev(packed_d)[0].data.cpu(), ref(packed)[0].data, atol=1e-5, rtol=1e-5)

@@ -648,3 +648,35 @@ def test_linalg_out_refuses_an_unsafe_cast(op):
     out = torch.empty(0, device="neuron")
     op(a, out=out)
     torch.testing.assert_close(out.cpu(), op(torch.eye(3)))
+
+
+# test_nn: hardswish's gradient at exactly +-3 used the wrong side of each boundary; hardshrink
+# turned NaN into 0; the backward of an in-place leaky_relu with a negative slope ran where ATen
+# refuses it.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_hardswish_gradient_at_the_corners(dtype):
+    for device in ("cpu", "neuron"):
+        x = torch.tensor([-3.0, 3.0, -2.9, 2.9], dtype=dtype, device=device, requires_grad=True)
+        torch.nn.functional.hardswish(x).sum().backward()
+        if device == "cpu":
+            expected = x.grad
+    torch.testing.assert_close(x.grad.cpu(), expected)
+
+
+def test_hardshrink_propagates_nan():
+    got = torch.nn.functional.hardshrink(torch.tensor([float("nan"), 0.3, -0.7], device="neuron")).cpu()
+    assert got[0].isnan() and got[1:].tolist() == [0.0, pytest.approx(-0.7)]
+
+
+@pytest.mark.parametrize("inplace_op", [
+    lambda t: torch.nn.functional.leaky_relu_(t, -2),
+    lambda t: torch.nn.functional.rrelu_(t, -5.0, 1.0),
+], ids=["leaky_relu_", "rrelu_"])
+def test_inplace_leaky_relu_with_negative_slope_refuses_backward(inplace_op):
+    a = torch.tensor([-1.0, 1.0], device="neuron", requires_grad=True)
+    b = inplace_op(a.clone())
+    with pytest.raises(RuntimeError, match="call out-of-place version"):
+        b.backward(torch.ones(2, device="neuron"))
+    a = torch.tensor([-2.0, 0.0, 2.0], device="neuron", requires_grad=True)
+    torch.nn.functional.leaky_relu_(a.clone(), 0.0).sum().backward()
+    assert a.grad.cpu().tolist() == [0.0, 0.0, 1.0]

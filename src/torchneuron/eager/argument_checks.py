@@ -1,9 +1,11 @@
-"""Argument checks of random ops that neither meta kernels nor lowerings can make.
+"""Argument checks that neither meta kernels nor lowerings can make.
 
-``random_(from, to)`` and ``uniform_(from, to)`` check their range against the tensor's dtype, and
-``normal(mean, std)`` checks that no element of a tensor ``std`` is negative. The ranges are runtime
-values of the executables (one executable serves every range), and meta kernels skip these checks,
-so the eager kernel runs the check below before each call of these ops (no other op pays for it):
+``random_(from, to)`` and ``uniform_(from, to)`` check their range against the tensor's dtype,
+``normal(mean, std)`` checks that no element of a tensor ``std`` is negative, and
+``leaky_relu_backward`` refuses the backward of an in-place leaky_relu with a negative slope. These
+values are runtime inputs of the executables (one executable serves every range and slope), and
+meta kernels skip the checks, so the eager kernel runs the check below before each call of these
+ops (no other op pays for it):
 the range checks replay the call on an empty CPU tensor of the same dtype, so the errors and
 warnings are CPU PyTorch's own; the ``std`` check reads one bool from the device, as CUDA does.
 """
@@ -29,7 +31,18 @@ def _std_not_negative(kernel, values) -> None:
         raise RuntimeError("normal expects all elements of std >= 0.0")
 
 
+def _inplace_leaky_relu_slope(kernel, values) -> None:
+    _, _, negative_slope, self_is_result = values[:4]
+    if self_is_result and negative_slope < 0:
+        raise RuntimeError(
+            "In-place leakyReLu backward calculation is triggered with a negative slope which is not "
+            "supported. This is caused by calling in-place forward function with a negative slope, please "
+            "call out-of-place version instead. File an issue at https://github.com/pytorch/pytorch if you "
+            "do require supporting in-place leakRelu backward calculation with negative slope")
+
+
 CHECKS = {
+    "leaky_relu_backward": _inplace_leaky_relu_slope,
     "random_.from": _replay_on_empty_cpu,
     "random_.to": _replay_on_empty_cpu,
     "uniform_": _replay_on_empty_cpu,

@@ -422,7 +422,9 @@ class Kernel(OpSignature):
 
         out = jax.eval_shape(run, *[spec_args[i] for i in traced])
         outs = out if isinstance(out, list | tuple) else (out,)
-        metas = [torch.empty(o.shape, dtype=torch_dtype(o.dtype), device="meta") for o in outs]
+        # None: an output the op leaves undefined (a bias gradient without a bias)
+        metas = [None if o is None else torch.empty(o.shape, dtype=torch_dtype(o.dtype), device="meta")
+                 for o in outs]
         if self.returns_list:
             return metas
         return tuple(metas) if len(metas) > 1 else metas[0]

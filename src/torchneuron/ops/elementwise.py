@@ -580,7 +580,8 @@ def hardswish(self):
 
 @lowering("hardswish_backward.default", promote="result", promote_args=("grad_output", "self"))
 def hardswish_backward(grad_output, self):
-    return jnp.where(self < -3, 0, jnp.where(self <= 3, grad_output * ((self / 3) + 0.5), grad_output))
+    # ATen's boundaries: 0 up to and at -3, the slope strictly inside, the gradient from 3 on.
+    return jnp.where(self <= -3, 0, jnp.where(self < 3, grad_output * ((self / 3) + 0.5), grad_output))
 
 
 @lowering("mish.default", promote="result", promote_args=("self",))
@@ -613,7 +614,8 @@ def softshrink(self, lambd=0.5):
 
 @lowering("hardshrink.default", promote="result", promote_args=("self",))
 def hardshrink(self, lambd=0.5):
-    return jnp.where(jnp.abs(self) > lambd, self, 0)
+    # Zero inside [-lambd, lambd]; NaN is outside (it propagates, as on CPU).
+    return jnp.where((self >= -lambd) & (self <= lambd), 0, self)
 
 
 @lowering("prelu.default", promote="result", promote_args=("self", "weight"), graph_only=True)

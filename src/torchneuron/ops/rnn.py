@@ -176,3 +176,56 @@ def rnn_fused_backward(grads, key_data, mode, input, hx, params, has_biases, num
     cots = tuple(g.astype(p.dtype) for g, p in zip(grads, primal))
     gx, gh, gp = vjp(cots)
     return [gx, *gh, *gp]
+
+
+# -- single cells: ATen's fused pointwise kernels ---------------------------------------------------
+# nn.LSTMCell / nn.GRUCell (and packed-sequence RNNs, which ATen runs cell by cell) call these on
+# CUDA, XPU and PrivateUse1 devices: the gate matmuls happen outside, the cell's pointwise part here.
+# The workspace holds what the backward needs, laid out as ATen's kernels lay it out.
+def _gate_sum(input_gates, hidden_gates, input_bias, hidden_bias):
+    gates = input_gates + hidden_gates
+    if input_bias is not None:
+        gates = gates + input_bias + hidden_bias
+    return gates
+
+
+@lowering("_thnn_fused_lstm_cell.default", shape_from_lowering=True)   # the meta kernel fails without biases
+def fused_lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+    i, f, g, o = jnp.split(_gate_sum(input_gates, hidden_gates, input_bias, hidden_bias), 4, axis=1)
+    i, f, g, o = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g), jax.nn.sigmoid(o)
+    cy = f * cx + i * g
+    return o * jnp.tanh(cy), cy, jnp.concatenate([i, f, g, o], axis=1)
+
+
+@lowering("_thnn_fused_lstm_cell_backward_impl.default")
+def fused_lstm_cell_backward(grad_hy, grad_cy, cx, cy, workspace, has_bias):
+    i, f, g, o = jnp.split(workspace, 4, axis=1)
+    tanh_cy = jnp.tanh(cy)
+    grad_hy = jnp.zeros_like(cy) if grad_hy is None else grad_hy
+    grad_c = grad_hy * o * (1 - tanh_cy * tanh_cy) + (0 if grad_cy is None else grad_cy)
+    grad_gates = jnp.concatenate([grad_c * g * (1 - i) * i, grad_c * cx * (1 - f) * f,
+                                  grad_c * i * (1 - g * g), grad_hy * tanh_cy * (1 - o) * o], axis=1)
+    return grad_gates, grad_c * f, jnp.sum(grad_gates, axis=0) if has_bias else None
+
+
+@lowering("_thnn_fused_gru_cell.default", shape_from_lowering=True)   # no meta kernel
+def fused_gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    if input_bias is not None:
+        input_gates, hidden_gates = input_gates + input_bias, hidden_gates + hidden_bias
+    ir, iz, in_ = jnp.split(input_gates, 3, axis=1)
+    hr, hz, hn = jnp.split(hidden_gates, 3, axis=1)
+    r, z = jax.nn.sigmoid(ir + hr), jax.nn.sigmoid(iz + hz)
+    n = jnp.tanh(in_ + r * hn)
+    return n + z * (hx - n), jnp.concatenate([r, z, n, hx, hn], axis=1)
+
+
+@lowering("_thnn_fused_gru_cell_backward.default", shape_from_lowering=True)   # no meta kernel
+def fused_gru_cell_backward(grad_hy, workspace, has_bias):
+    r, z, n, hx, hn = jnp.split(workspace, 5, axis=1)
+    grad_n = grad_hy * (1 - z) * (1 - n * n)
+    grad_r = grad_n * hn * (1 - r) * r
+    grad_z = grad_hy * (hx - n) * (1 - z) * z
+    grad_input = jnp.concatenate([grad_r, grad_z, grad_n], axis=1)
+    grad_hidden = jnp.concatenate([grad_r, grad_z, grad_n * r], axis=1)
+    biases = (jnp.sum(grad_input, axis=0), jnp.sum(grad_hidden, axis=0)) if has_bias else (None, None)
+    return grad_input, grad_hidden, grad_hy * z, *biases
