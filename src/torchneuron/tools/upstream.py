@@ -809,11 +809,11 @@ GUESSES = [
     ("not-supported-by-design", "forward-mode AD is not supported on neuron", r"forward_ad|fw_grad|make_dual|jvp"),
     ("not-supported-by-design", "the dtype is not supported on neuron (complex32, float8, uint16-64...)",
      r"is not supported on the neuron device"),
-    ("known-bug", "issue 19: CPU index tensors/masks on neuron tensors are rejected",
+    ("known-bug", "issue 18: a CPU tensor where the op needs a neuron one (a device mismatch)",
      r"found at least two devices, neuron:0 and cpu"),
-    ("known-bug", "issue 19: PyTorch's Python reference raises ValueError/IndexError/TypeError where CPU "
-     "raises RuntimeError", r"^[^:]*: (ValueError|IndexError): "),
-    ("known-bug", "issue 19: out=/in-place casting and device checks are missing",
+    ("known-bug", "issue 18: PyTorch's Python reference raises ValueError/IndexError/TypeError where CPU "
+     "raises RuntimeError (check --cpu-check first: the file may fail on CPU too)", r"^[^:]*: (ValueError|IndexError): "),
+    ("known-bug", "issue 18: an out=/in-place casting or argument check is missing",
      r"(out|_out_|casting|inplace|_).*RuntimeError not raised"),
     ("not-supported-by-design", "float64/complex128 run as float32/complex64 (TorchNeuron's dtype policy)",
      r"(float64|complex128|double).*(not close|not equal|dtype|do not match|mismatch)"),
