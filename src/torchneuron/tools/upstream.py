@@ -517,6 +517,16 @@ def rerun_ids(recs: dict, patterns: str) -> list[str]:
         r["status"] in FAILING if p == "failing" else fnmatch.fnmatchcase(t, p) for p in pats))
 
 
+def _time_left(recs: dict, total: int) -> str:
+    """The rest of a sampled file at the mean time per test recorded so far (on the machine that
+    ran it; a uniform sample, so the mean carries over)."""
+    seconds = [r.get("seconds") or 0.0 for t, r in recs.items() if t != "<collection>"]
+    if not seconds:
+        return ""
+    hours = (total - len(seconds)) * sum(seconds) / len(seconds) / 3600
+    return f"; about {hours:.0f} h to complete" if hours >= 1 else f"; about {hours * 60:.0f} min to complete"
+
+
 def complete_files(results: dict, totals: dict) -> set:
     """Files whose every collected test has a result."""
     return {f for f, recs in results.items()
@@ -664,7 +674,8 @@ def render(results: dict, expectations: Expectations, sources: dict, meta: dict,
             lines.append(f"| {file} | {n} | " + " | ".join("—" for _ in COLUMNS) + " | not run |")
             continue
         run = "complete" if file in complete else \
-            f"sample ({100 * len(results[file]) / totals[file]:.1f}%)" if totals.get(file) else "sample"
+            f"sample ({100 * len(results[file]) / totals[file]:.1f}%{_time_left(results[file], totals[file])})" \
+            if totals.get(file) else "sample"
         lines.append(f"| {file} | {n} | " + " | ".join(f"{c[k]:,}" for k, _ in COLUMNS) + f" | {run} |")
     lines.append(f"| **total** | **{sum(v for v in totals.values() if v):,}** | "
                  + " | ".join(f"**{total[k]:,}**" for k, _ in COLUMNS) + " | |")
