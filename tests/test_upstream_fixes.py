@@ -680,3 +680,20 @@ def test_inplace_leaky_relu_with_negative_slope_refuses_backward(inplace_op):
     a = torch.tensor([-2.0, 0.0, 2.0], device="neuron", requires_grad=True)
     torch.nn.functional.leaky_relu_(a.clone(), 0.0).sum().backward()
     assert a.grad.cpu().tolist() == [0.0, 0.0, 1.0]
+
+
+# test_torch.test_deterministic_empty: with deterministic algorithms, torch.empty and friends fill
+# new memory with NaN / the dtype's largest value (ATen's fill_uninitialized_memory); neuron's
+# empty kernels returned zeros.
+@pytest.mark.parametrize("make", [
+    lambda d, dt: torch.empty(10, 9, device=d, dtype=dt),
+    lambda d, dt: torch.empty_like(torch.zeros(10, 9, device=d, dtype=dt)),
+    lambda d, dt: torch.empty_strided((10, 9), (1, 5), device=d, dtype=dt),
+    lambda d, dt: torch.empty_permuted((2, 3, 5), (1, 0, 2), device=d, dtype=dt),
+], ids=["empty", "empty_like", "empty_strided", "empty_permuted"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8, torch.int64, torch.bool])
+def test_deterministic_empty_fills_like_cpu(make, dtype):
+    from torch.testing._internal.common_utils import DeterministicGuard
+    with DeterministicGuard(True):
+        got, expected = make("neuron", dtype).cpu(), make("cpu", dtype)
+    torch.testing.assert_close(got, expected, equal_nan=True)

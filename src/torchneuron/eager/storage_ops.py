@@ -37,7 +37,18 @@ def empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=N
         strides = memory.contiguous_strides(size)
     else:
         strides = torch.empty(size, device="meta", memory_format=memory_format).stride()
-    return memory.allocator.new_tensor(size, tuple(strides), dtype, _device_index(device))
+    return _deterministic_fill(memory.allocator.new_tensor(size, tuple(strides), dtype, _device_index(device)))
+
+
+def _deterministic_fill(t: torch.Tensor) -> torch.Tensor:
+    """With torch.use_deterministic_algorithms(True) (and fill_uninitialized_memory, its default),
+    new memory holds NaN or the dtype's largest value, as ATen's empty kernels fill it."""
+    if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
+        if t.dtype.is_floating_point or t.dtype.is_complex:
+            t.fill_(float("nan"))
+        else:
+            t.fill_(True if t.dtype == torch.bool else torch.iinfo(t.dtype).max)
+    return t
 
 
 def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
@@ -46,8 +57,8 @@ def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory
                            f"({len(stride)})")
     dtype = device_dtype(dtype or torch.get_default_dtype(), "empty_strided")
     jax_dtype(dtype)
-    return memory.allocator.new_tensor(tuple(int(s) for s in size), tuple(int(s) for s in stride), dtype,
-                                       _device_index(device))
+    return _deterministic_fill(memory.allocator.new_tensor(
+        tuple(int(s) for s in size), tuple(int(s) for s in stride), dtype, _device_index(device)))
 
 
 def resize_(self, size, memory_format=None):
