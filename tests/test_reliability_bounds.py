@@ -234,3 +234,21 @@ def test_an_executable_loaded_by_another_process_keeps_its_checks(tmp_path):
     assert loaded > 0 and result == "index 9 is out of bounds for dimension 0 with size 6"
     # An executable compiled without checks is another entry, never loaded where checks are on.
     assert run(TORCHNEURON_DEVICE_CHECKS="off") == ("no error", 0)
+
+
+def test_masked_scatter_with_too_small_a_source_raises_like_cpu(monkeypatch):
+    # The mask selects 3 elements, the source has 2: neuron read past the source silently.
+    dest = torch.arange(1.0, 11.0)
+    mask = torch.tensor([0, 0, 0, 0, 1, 0, 1, 0, 1, 0], dtype=torch.bool)
+    with pytest.raises(RuntimeError) as expected:
+        dest.clone().masked_scatter_(mask, torch.zeros(2))
+    d = dest.to("neuron")
+    d.masked_scatter_(mask.to("neuron"), torch.zeros(2, device="neuron"))
+    with pytest.raises(RuntimeError) as err:
+        d.cpu()
+    assert str(err.value).splitlines()[0] == str(expected.value)
+    monkeypatch.setattr(torchneuron.config, "device_checks", "sync")
+    with pytest.raises(RuntimeError, match="Number of elements of source < number of ones in mask"):
+        dest.to("neuron").masked_scatter_(mask.to("neuron"), torch.zeros(2, device="neuron"))
+    ok = dest.to("neuron").masked_scatter_(mask.to("neuron"), torch.arange(3.0, device="neuron"))
+    assert ok.cpu().tolist() == [1.0, 2.0, 3.0, 4.0, 0.0, 6.0, 1.0, 8.0, 2.0, 10.0]

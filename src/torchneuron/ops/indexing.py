@@ -256,6 +256,9 @@ def masked_scatter(self, mask, source):
         return self
     mask = jnp.broadcast_to(mask, shape).reshape(-1)
     positions = jnp.cumsum(mask.astype(jnp.int64)) - 1
+    # CPU's check: a mask with more ones than source has elements would read past the source.
+    checks.fail_if(mask & (positions >= source.size), None, RuntimeError,
+                   "Number of elements of source < number of ones in mask")
     picked = source.reshape(-1)[jnp.clip(positions, 0, max(source.size - 1, 0))]
     return jnp.where(mask, picked, self.reshape(-1)).reshape(self.shape)
 
