@@ -179,9 +179,9 @@ def breakdown(loop, args):
     captured = []
     run = adaptive._run
 
-    def capture(plan, external, runtime):
+    def capture(plan, external, runtime, outcomes):
         captured.append((plan, list(external), list(runtime)))
-        return run(plan, external, runtime)
+        return run(plan, external, runtime, outcomes)
 
     adaptive._run = capture
     try:

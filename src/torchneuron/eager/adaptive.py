@@ -73,6 +73,9 @@ is_view_spec = kernel.is_view_spec
 _graph_task_id = torch._C._current_graph_task_id
 _LISTS = (TENSOR_LIST, OPT_TENSOR_LIST)
 _dtype_of = operator.attrgetter("dtype")
+_storage_of = operator.attrgetter("numel", "dtype", "device_index")   # as _OpCheck's list storages
+_buf_of = operator.attrgetter("buf")
+_class_of = operator.attrgetter("__class__")
 _shape_of = operator.attrgetter("shape")
 _offset_of = torch.Tensor.storage_offset
 _stride_of = torch.Tensor.stride
@@ -195,7 +198,7 @@ class Region:
                 if known != sid and (known is not None or not self._external(addr, sid, storage, check.device)):
                     return False
             elif tag is _VIEW_LIST:
-                _, _, dtypes, shapes, strides, whole, itemsizes, sids, storages = arg
+                _, _, dtypes, shapes, strides, whole, itemsizes, sids, storages, consecutive = arg
                 try:
                     if v is None or len(v) != len(sids) or tuple(map(_dtype_of, v)) != dtypes \
                             or tuple(map(_stride_of, v)) != strides or tuple(map(_shape_of, v)) != shapes:
@@ -214,13 +217,14 @@ class Region:
                                 return False
                         else:
                             runtime.append(offset_array(offset))
-                if list(map(sid_of.get, addrs)) != sids:
-                    # New external storages (or a different wiring): element by element, in order.
-                    for addr, sid, storage in zip(addrs, sids, storages):
-                        known = sid_of.get(addr)
-                        if known != sid and (known is not None
-                                             or not self._external(addr, sid, storage, check.device)):
-                            return False
+                known = list(map(sid_of.get, addrs))
+                if known != sids and not self._externals(known, addrs, sids, storages, check.device, consecutive):
+                    return False
+            elif tag is _SCALAR_LIST:            # a list of runtime scalars (an optimizer's per-tensor steps)
+                if v is None or v.__class__ is not list and v.__class__ is not tuple \
+                        or tuple(map(_class_of, v)) != arg[2]:
+                    return False
+                runtime.extend(map(scalar_array, v))
             elif tag is _LIST:
                 spec = arg[2]
                 if v is None or len(v) != len(spec):
@@ -229,6 +233,31 @@ class Region:
                     if not self._match(t, s, arg[3], check):
                         return False
             elif not self._match(v, arg[2], arg[3], check):
+                return False
+        return True
+
+    def _externals(self, known, addrs, sids, storages, device, consecutive):
+        """``_external`` for a list's storages: at once when all of them are new to the region and
+        come next in the plan's order (a foreach op reading parameters, gradients or moments at the
+        start of the optimizer's region), else element by element."""
+        if consecutive and sids[0] == len(self.addr_of) and known.count(None) == len(known) \
+                and len(set(addrs)) == len(addrs):
+            recs = list(map(_records.get, addrs))
+            if None not in recs and list(map(_storage_of, recs)) == storages:
+                self.sid_of.update(zip(addrs, sids))
+                self.addr_of.extend(addrs)
+                self.external_sids.extend(sids)
+                bufs = list(map(_buf_of, recs))
+                for i, buf in enumerate(bufs):
+                    if buf is None:   # never written: zeros, as _external
+                        bufs[i] = memory.empty_buffer(recs[i])
+                self.external.extend(bufs)
+                return True
+        return self._externals_one_by_one(known, addrs, sids, storages, device)
+
+    def _externals_one_by_one(self, known, addrs, sids, storages, device):
+        for addr, sid, storage, k in zip(addrs, sids, storages, known):
+            if k != sid and (k is not None or not self._external(addr, sid, storage, device)):
                 return False
         return True
 
@@ -482,7 +511,7 @@ class Plan:
 
 # Argument checks of a replayed op: a tensor view, a list of views, a list or a single argument of
 # another kind (checked by Region._match).
-_VIEW, _VIEW_LIST, _LIST, _OTHER = "view", "view list", "list", "other"
+_VIEW, _VIEW_LIST, _SCALAR_LIST, _LIST, _OTHER = "view", "view list", "scalar list", "list", "other"
 
 
 class _OpCheck:
@@ -506,10 +535,14 @@ class _OpCheck:
             if kind in _LISTS:
                 if spec and all(is_view_spec(s) for s in spec):
                     whole = tuple(s[3] == 0 for s in spec)
+                    sids = [input_sids[s[4]] for s in spec]
                     self.args.append((_VIEW_LIST, i, tuple(s[0] for s in spec), tuple(s[1] for s in spec),
                                       tuple(s[2] for s in spec), True if all(whole) else whole,
-                                      tuple(s[0].itemsize for s in spec),
-                                      [input_sids[s[4]] for s in spec], [storages[s[4]] for s in spec]))
+                                      tuple(s[0].itemsize for s in spec), sids,
+                                      [(*storages[s[4]], device) for s in spec],
+                                      sids == list(range(sids[0], sids[0] + len(sids)))))
+                elif spec and all(t.__class__ is type for t in spec):
+                    self.args.append((_SCALAR_LIST, i, spec))
                 else:
                     self.args.append((_LIST, i, spec, input_sids))
             elif is_view_spec(spec):
