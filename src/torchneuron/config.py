@@ -32,7 +32,7 @@ _MINIMUM = {"adaptive_max_ops": 1, "adaptive_segment_ops": 1, "adaptive_compile_
 # Real-valued settings and their smallest value.
 _FLOAT_MINIMUM = {"adaptive_compile_budget": 0.0}
 # Settings that are on or off.
-_BOOL_FIELDS = {"cpu_async_dispatch"}
+_BOOL_FIELDS = {"cpu_async_dispatch", "adaptive_overlap"}
 # Choices compared without case or surrounding blanks.
 _NORMALISED = set(_CHOICES) | {"platform"}
 
@@ -77,6 +77,9 @@ class Config:
     # Largest share of the time adaptive mode is on that background region compiles may take
     # (1 or more: no limit). Compiles wait until the program has run long enough to afford them.
     adaptive_compile_budget: float = 0.1
+    # Run a region's fused executable on a worker thread while the program records the next region
+    # (its results are taken at the next cut or host read); False runs it at the cut.
+    adaptive_overlap: bool = True
     # torch.compile: an op without a lowering fails the compile, or the graph runs eagerly.
     compile_fallback: str = "error"
     # PyTorch's checks that depend on tensor values (index bounds, integer division by zero): read

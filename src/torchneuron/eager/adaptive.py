@@ -90,6 +90,7 @@ class Region:
         self.lock = threading.RLock()
         self.prev = None          # plan of the region flushed last
         self.graph_task = -1      # the autograd graph task whose backward is being recorded
+        self.inflight = None      # the fused run of the region cut last, while it runs (_InFlight)
         self.reset(None)
 
     def reset(self, cursor):
@@ -104,6 +105,7 @@ class Region:
         self.device = None
         self.cursor = cursor     # the plan this region is predicted to repeat, while calls match it
         self.pos = 0             # how many of its ops were replayed
+        self.deferred = False    # whether ``external`` holds buffers the region in flight produces
 
     # -- cuts at autograd boundaries ------------------------------------------------------------
     def _backward_boundary(self, task):
@@ -251,6 +253,8 @@ class Region:
                 for i, buf in enumerate(bufs):
                     if buf is None:   # never written: zeros, as _external
                         bufs[i] = memory.empty_buffer(recs[i])
+                    elif buf is PENDING:
+                        bufs[i] = self._in_flight(addrs[i])
                 self.external.extend(bufs)
                 return True
         return self._externals_one_by_one(known, addrs, sids, storages, device)
@@ -271,9 +275,25 @@ class Region:
             return False
         self.sid_of[addr] = sid
         self.addr_of.append(addr)
-        self.external.append(rec.buf if rec.buf is not None else memory.empty_buffer(rec))
+        buf = rec.buf
+        if buf is None:
+            buf = memory.empty_buffer(rec)
+        elif buf is PENDING:
+            buf = self._in_flight(addr)
+        self.external.append(buf)
         self.external_sids.append(sid)
         return True
+
+    def _in_flight(self, addr):
+        """The buffer of a storage that the region in flight produces, as a placeholder resolved at
+        the next flush (a storage pending in no region in flight cannot occur: wait for it then)."""
+        h = self.inflight
+        i = None if h is None else h.index.get(addr)
+        if i is None:
+            self._join()
+            return memory.empty_buffer(_records[addr])
+        self.deferred = True
+        return _Deferred(h, i)
 
     def _match(self, v, spec, sids, check):
         """``_match_inputs`` for one argument of an unusual kind (scalars, masked or CPU tensors)."""
@@ -347,7 +367,7 @@ class Region:
             sid = self.sid_of[addr] = len(self.addr_of)
             self.addr_of.append(addr)
             # Capture the buffer now: the storage may die before the flush.
-            self.external.append(buf)
+            self.external.append(self._in_flight(addr) if buf is PENDING else buf)
             self.external_sids.append(sid)
         return sid
 
@@ -386,10 +406,28 @@ class Region:
         return k.returned(outs, values)
 
     # -- the cut --------------------------------------------------------------------------------
+    def _join(self):
+        """Wait for the fused run in flight and put its results in their storages' records."""
+        h = self.inflight
+        if h is None:
+            return
+        self.inflight = None
+        h.latch.acquire()
+        if h.error is not None:
+            failed = memory.Unavailable(f"{type(h.error).__name__}: {h.error}".splitlines()[0])
+            for rec in h.recs:
+                if rec.buf is PENDING:
+                    rec.buf = failed
+            raise h.error
+        for rec, buf in zip(h.recs, h.results):
+            if rec.buf is PENDING:   # else written since (a host write, a freed buffer)
+                rec.buf = buf
+
     def flush(self, reason: str) -> None:
-        if not self.ops:
+        if not self.ops and self.inflight is None:
             return
         with self.lock:
+            self._join()
             if not self.ops:
                 return
             ops, runtime, addr_of, records, op_sites = self.ops, self.runtime, self.addr_of, _records, self.sites
@@ -404,12 +442,26 @@ class Region:
             else:
                 plan = _plan_for((tuple(ops), tuple(self.external_sids), live), self.device)
             external = self.external
+            if self.deferred:   # buffers of the region that was in flight, now joined
+                external = [b.resolve() if b.__class__ is _Deferred else b for b in external]
             metrics.region_replayed_ops += self.pos
             self.reset(None)
             metrics.regions_flushed += 1
             metrics.region_ops += len(ops)
             metrics.flush_reasons[reason] += 1
             outcomes = []
+            direct = plan.direct
+            if direct is not None and direct.fn is not None and not direct.checked and config.adaptive_overlap \
+                    and reason in _OVERLAPPING:
+                # The fused executable runs on the worker thread while the program goes on; its
+                # storages stay pending until the next flush (or host read) joins it.
+                plan.seen += 1
+                metrics.region_cache_hits += 1
+                recs = [records[addr_of[sid]] for sid in live]
+                self.inflight = _overlap(direct.fn, external, runtime, recs,
+                                         {addr_of[sid]: i for i, sid in enumerate(live)})
+                self._advance(plan, ops)
+                return
             try:
                 results = _run(plan, external, runtime, outcomes)
             except BaseException as err:
@@ -425,15 +477,87 @@ class Region:
                 rec = get(addr_of[sid])
                 if rec is not None:
                     rec.buf = buf
-            if self.prev is not None:
-                self.prev.next = plan
-            self.prev = plan
-            _starts[ops[0][0]] = plan
-            self.cursor = plan.next
+            self._advance(plan, ops)
             # The outcomes of the ops' device checks, in op order (a "sync" error raises here, once
             # the region's results are in place).
             for n, outcome in outcomes:
                 ops[n][0].traced.report(outcome, op_sites.get(n))
+
+
+    def _advance(self, plan, ops):
+        """The prediction after running ``plan``: the plan that followed it last time."""
+        if self.prev is not None:
+            self.prev.next = plan
+        self.prev = plan
+        _starts[ops[0][0]] = plan
+        self.cursor = plan.next
+
+
+# -- fused runs overlapping the program ----------------------------------------------------------
+# Cuts after which the program goes on without reading anything the region computes: its fused run
+# may overlap what follows. Every other cut (host reads and writes, synchronize, fallbacks,
+# collectives, mode and settings changes, exit) joins it and runs the region before returning.
+_OVERLAPPING = frozenset({"backward end", "before optimizer step", "optimizer step", "size limit"})
+
+
+class _InFlight:
+    """A fused run on the worker thread: the records of its results (in ``plan.live`` order), their
+    positions by storage address, and its results or error once ``latch`` is released."""
+
+    __slots__ = ("latch", "recs", "index", "results", "error")
+
+    def __init__(self, recs, index):
+        self.latch = threading.Lock()
+        self.latch.acquire()
+        self.recs, self.index = recs, index
+        self.results = self.error = None
+
+
+class _Deferred:
+    """An input of the region being recorded that the run in flight produces."""
+
+    __slots__ = ("run", "i")
+
+    def __init__(self, run, i):
+        self.run, self.i = run, i
+
+    def resolve(self):
+        run = self.run
+        if run.results is None:   # it failed (the error was raised when it was joined)
+            return memory.Unavailable(f"{type(run.error).__name__}: {run.error}".splitlines()[0])
+        return run.results[self.i]
+
+
+_runs: queue.SimpleQueue = queue.SimpleQueue()
+_runner = None
+
+
+def _overlap(fn, external, runtime, recs, index):
+    global _runner
+    h = _InFlight(recs, index)
+    if _runner is None:
+        _runner = threading.Thread(target=_run_loop, name="torchneuron-region-runner", daemon=True)
+        _runner.start()
+    _runs.put((fn, external, runtime, h))
+    return h
+
+
+def _after_fork_in_child():
+    # The worker thread is gone in a forked child (which may not use the device, runtime/fork.py):
+    # its exit must not wait for a run that will never finish.
+    global _runner, _runs
+    _runner, _runs = None, queue.SimpleQueue()
+    region.inflight = None
+
+
+def _run_loop():
+    while True:
+        fn, external, runtime, h = _runs.get()
+        try:
+            h.results = fn(*external, *runtime)   # XLA runs it without the GIL
+        except BaseException as err:   # raised in the user's thread when the run is joined
+            h.error = err
+        h.latch.release()
 
 
 _traced_once: set = set()   # new executables seen at a recorded call
@@ -854,7 +978,7 @@ def _shutdown():
 # -- public switches ----------------------------------------------------------------------------
 def flush(reason: str = "explicit") -> None:
     """Run every pending recorded op (a no-op in plain eager mode or with nothing pending)."""
-    if region.ops:
+    if region.ops or region.inflight is not None:
         region.flush(reason)
 
 
@@ -942,4 +1066,5 @@ def _reads_storage(specs) -> bool:
 
 region = Region()
 memory.flush_pending = flush
+os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(_shutdown)
