@@ -422,6 +422,10 @@ class Region:
         for rec, buf in zip(h.recs, h.results):
             if rec.buf is PENDING:   # else written since (a host write, a freed buffer)
                 rec.buf = buf
+        if h.checks is not None:   # the outcomes of the ops' device checks, after the results, in op order
+            ops, op_sites, checked = h.checks
+            for n, outcome in zip(checked, h.results[len(h.recs):]):
+                ops[n][0].traced.report(outcome, op_sites.get(n))
 
     def flush(self, reason: str) -> None:
         if not self.ops and self.inflight is None:
@@ -451,15 +455,17 @@ class Region:
             metrics.flush_reasons[reason] += 1
             outcomes = []
             direct = plan.direct
-            if direct is not None and direct.fn is not None and not direct.checked and config.adaptive_overlap \
-                    and reason in _OVERLAPPING:
+            if direct is not None and direct.fn is not None and config.adaptive_overlap and reason in _OVERLAPPING \
+                    and (not direct.checked or config.device_checks != "sync"):
                 # The fused executable runs on the worker thread while the program goes on; its
-                # storages stay pending until the next flush (or host read) joins it.
+                # storages stay pending until the next flush (or host read) joins it, which then
+                # reports its device checks (deferred ones: read at a sync point, after that join).
                 plan.seen += 1
                 metrics.region_cache_hits += 1
-                recs = [records[addr_of[sid]] for sid in live]
-                self.inflight = _overlap(direct.fn, external, runtime, recs,
-                                         {addr_of[sid]: i for i, sid in enumerate(live)})
+                h = _InFlight([records[addr_of[sid]] for sid in live], {addr_of[sid]: i for i, sid in enumerate(live)})
+                if direct.checked:
+                    h.checks = (ops, op_sites, direct.checked)
+                self.inflight = _overlap(direct.fn, external, runtime, h)
                 self._advance(plan, ops)
                 return
             try:
@@ -504,12 +510,13 @@ class _InFlight:
     """A fused run on the worker thread: the records of its results (in ``plan.live`` order), their
     positions by storage address, and its results or error once ``latch`` is released."""
 
-    __slots__ = ("latch", "recs", "index", "results", "error")
+    __slots__ = ("latch", "recs", "index", "checks", "results", "error")
 
     def __init__(self, recs, index):
         self.latch = threading.Lock()
         self.latch.acquire()
         self.recs, self.index = recs, index
+        self.checks = None        # (ops, their call sites, positions of checked ops) to report at the join
         self.results = self.error = None
 
 
@@ -532,9 +539,8 @@ _runs: queue.SimpleQueue = queue.SimpleQueue()
 _runner = None
 
 
-def _overlap(fn, external, runtime, recs, index):
+def _overlap(fn, external, runtime, h):
     global _runner
-    h = _InFlight(recs, index)
     if _runner is None:
         _runner = threading.Thread(target=_run_loop, name="torchneuron-region-runner", daemon=True)
         _runner.start()
