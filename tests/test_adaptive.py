@@ -647,3 +647,60 @@ def test_turning_device_checks_off_forgets_regions_compiled_with_them(monkeypatc
     _compile_gather_region(x)
     _gather_step(x, _BAD.to("neuron")).item()   # unchecked: no error, now or later
     torch.neuron.synchronize()
+
+
+def _mlp_params_after(steps, overlap, monkeypatch):
+    monkeypatch.setattr(torchneuron.config, "adaptive_overlap", overlap)
+    torch.manual_seed(1)
+    tokens, labels = torch.randint(0, 50, (16, 4)), torch.randint(0, 5, (16,))
+    torch.manual_seed(0)
+    model = MLP().to("neuron")
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    x, y = tokens.to("neuron"), labels.to("neuron")
+    in_flight = 0
+    for i in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        in_flight += adaptive_mode.region.inflight is not None
+        if i == 2:
+            adaptive_mode.wait_for_compiles()
+    return loss.item(), [p.detach().cpu() for p in model.parameters()], in_flight
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_fused_runs_overlapping_the_next_region_give_the_same_values(monkeypatch):
+    loss, params, in_flight = _mlp_params_after(8, True, monkeypatch)
+    assert in_flight >= 4   # the optimizer's fused run was still in flight after opt.step()
+    adaptive_mode.clear_region_cache()
+    ref_loss, ref_params, ref_in_flight = _mlp_params_after(8, False, monkeypatch)
+    assert ref_in_flight == 0
+    assert loss == ref_loss
+    for p, q in zip(params, ref_params):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_a_host_read_reports_the_device_checks_of_the_fused_run_in_flight():
+    x = _GX.to("neuron").requires_grad_()
+    other = torch.ones(3).to("neuron")
+
+    def step(i):
+        x.grad = None
+        y = (x * 2).gather(1, i).sum()
+        y.backward()   # cut at the end of backward: the fused run may overlap what follows
+        return y
+
+    for _ in range(3):
+        step(_GOOD.to("neuron"))
+        other.cpu()
+        adaptive_mode.wait_for_compiles()
+    hits = m("region_cache_hits")
+    step(_BAD.to("neuron"))
+    assert adaptive_mode.region.inflight is not None
+    with pytest.raises(RuntimeError, match=_OUT_OF_RANGE):
+        other.cpu()   # reads nothing the run produces, but waits for the device: reports its checks
+    assert m("region_cache_hits") == hits + 1
+    step(_GOOD.to("neuron"))
+    assert x.grad.cpu().tolist() == [[0, 2, 0, 0], [0, 0, 2, 0], [2, 0, 0, 0]]

@@ -988,6 +988,12 @@ def flush(reason: str = "explicit") -> None:
         region.flush(reason)
 
 
+def _wait_in_flight(reason: str) -> None:
+    if region.inflight is not None:
+        with region.lock:
+            region._join()
+
+
 def set_eager_mode(mode: str) -> None:
     """``"adaptive"`` records and fuses eager ops; ``"plain"`` runs each op as it is called."""
     config.eager_mode = mode  # validates, then calls apply_mode
@@ -1072,5 +1078,6 @@ def _reads_storage(specs) -> bool:
 
 region = Region()
 memory.flush_pending = flush
+memory.wait_in_flight = _wait_in_flight
 os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(_shutdown)

@@ -380,6 +380,9 @@ def _nothing_pending(reason: str) -> None:
 # Runs pending deferred work (adaptive eager's recorded region) so that PENDING buffers become real
 # and later reads/writes see it; ``reason`` is counted. Replaced by eager/adaptive.py on import.
 flush_pending = _nothing_pending
+# Waits for adaptive eager's fused run in flight, if any (a host read reports the device checks of
+# all the work issued before it). Replaced by eager/adaptive.py on import.
+wait_in_flight = _nothing_pending
 
 
 class Unavailable:

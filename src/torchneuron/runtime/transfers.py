@@ -75,6 +75,7 @@ def to_host(t: torch.Tensor) -> np.ndarray:
 def copy_to_host(t: torch.Tensor) -> np.ndarray:
     """``to_host`` without a profiler range (for callers that record their own)."""
     arr = np.asarray(device_array(t, host=True))
+    memory.wait_in_flight("host read")
     deferred.raise_pending()   # the program waits for the device here: report what it found
     metrics.d2h_copies += 1
     metrics.d2h_bytes += arr.nbytes
