@@ -16,14 +16,17 @@ step produces the same regions whether or not the loop reads a value every step:
 - an op on another device, and ``config.adaptive_max_ops`` ops (a safety net for loops without
   any of the above).
 
-How a region runs. A region's structure (its executables, how their storages connect, which
-results are still alive) names a ``Plan``. A plan seen for the first time runs at once, op by op,
-through the same per-op executables plain eager uses. Once it has been seen
+How a region runs. A region's structure (its executables, how their storages connect, which results
+are still alive) names a ``Plan``. A plan seen for the first time runs at once, op by op, through
+the same per-op executables plain eager uses. Once it has been seen
 ``config.adaptive_compile_after`` times, its fused executable is compiled on a background thread
 while later occurrences keep running op by op; occurrences after the compile finished run as one
-fused executable. A plan longer than ``config.adaptive_segment_ops`` ops is split into segments
-compiled separately (compile time grows faster than linearly with the op count). When most recent
-regions are new (a program whose regions keep changing), nothing more is compiled until they settle;
+fused executable; after a cut where the program reads nothing (a backward end, an optimizer step),
+that executable runs on a worker thread while the program records the next region
+(``config.adaptive_overlap``), and the next cut or host read takes its results. A plan longer than
+``config.adaptive_segment_ops`` ops is split into segments compiled separately (compile time grows
+faster than linearly with the op count). When most recent regions are new (a program whose regions
+keep changing), nothing more is compiled until they settle;
 ``metrics()["region_unfused"]`` counts every segment run that went op by op, by reason.
 
 Replay. After a cut, the region that followed this plan last time is predicted; while the user's
@@ -488,7 +491,6 @@ class Region:
             # the region's results are in place).
             for n, outcome in outcomes:
                 ops[n][0].traced.report(outcome, op_sites.get(n))
-
 
     def _advance(self, plan, ops):
         """The prediction after running ``plan``: the plan that followed it last time."""
