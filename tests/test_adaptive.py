@@ -704,3 +704,23 @@ def test_a_host_read_reports_the_device_checks_of_the_fused_run_in_flight():
     assert m("region_cache_hits") == hits + 1
     step(_GOOD.to("neuron"))
     assert x.grad.cpu().tolist() == [[0, 2, 0, 0], [0, 0, 2, 0], [2, 0, 0, 0]]
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_joining_a_run_in_flight_keeps_storages_the_next_region_writes_pending():
+    x = _GX.to("neuron").requires_grad_()
+    other = torch.ones(3).to("neuron")
+
+    def step():
+        x.grad = None
+        (x * 2).gather(1, _GOOD.to("neuron")).sum().backward()
+
+    for _ in range(3):
+        step()
+        other.cpu()
+        adaptive_mode.wait_for_compiles()
+    step()
+    assert adaptive_mode.region.inflight is not None   # it produces x.grad
+    x.grad.mul_(3)     # recorded: the next region writes x.grad's storage
+    other.cpu()        # joins the run in flight (it has device checks to report)
+    assert x.grad.cpu().tolist() == [[0, 6, 0, 0], [0, 0, 6, 0], [6, 0, 0, 0]]

@@ -418,12 +418,15 @@ class Region:
         h.latch.acquire()
         if h.error is not None:
             failed = memory.Unavailable(f"{type(h.error).__name__}: {h.error}".splitlines()[0])
-            for rec in h.recs:
-                if rec.buf is PENDING:
+            for rec, addr in zip(h.recs, h.index):
+                if rec.buf is PENDING and self.sid_of.get(addr) not in self.results:
                     rec.buf = failed
             raise h.error
-        for rec, buf in zip(h.recs, h.results):
-            if rec.buf is PENDING:   # else written since (a host write, a freed buffer)
+        # Storages the region being recorded writes stay pending (it produces them); others were
+        # written since if not pending (a freed buffer).
+        sid_of, written = self.sid_of, self.results
+        for rec, addr, buf in zip(h.recs, h.index, h.results):
+            if rec.buf is PENDING and sid_of.get(addr) not in written:
                 rec.buf = buf
         if h.checks is not None:   # the outcomes of the ops' device checks, after the results, in op order
             ops, op_sites, checked = h.checks
@@ -431,8 +434,8 @@ class Region:
                 ops[n][0].traced.report(outcome, op_sites.get(n))
 
     def flush(self, reason: str) -> None:
-        if not self.ops and self.inflight is None:
-            return
+        if not self.ops and (self.inflight is None or reason in _OVERLAPPING):
+            return   # nothing to run; a run in flight goes on
         with self.lock:
             self._join()
             if not self.ops:
@@ -510,7 +513,8 @@ _OVERLAPPING = frozenset({"backward end", "before optimizer step", "optimizer st
 
 class _InFlight:
     """A fused run on the worker thread: the records of its results (in ``plan.live`` order), their
-    positions by storage address, and its results or error once ``latch`` is released."""
+    positions by storage address (in the same order), and its results or error once ``latch`` is
+    released."""
 
     __slots__ = ("latch", "recs", "index", "checks", "results", "error")
 
@@ -991,7 +995,9 @@ def flush(reason: str = "explicit") -> None:
 
 
 def _wait_in_flight(reason: str) -> None:
-    if region.inflight is not None:
+    """A host read waits for the run in flight if it has device checks to report."""
+    h = region.inflight
+    if h is not None and h.checks is not None:
         with region.lock:
             region._join()
 
