@@ -208,14 +208,18 @@ class Region:
                     if v is None or len(v) != len(sids) or tuple(map(_dtype_of, v)) != dtypes \
                             or tuple(map(_stride_of, v)) != strides or tuple(map(_shape_of, v)) != shapes:
                         return False
-                    offsets = tuple(map(_offset_of, v))
-                    addrs = list(map(operator.sub, map(_data_ptr_of, v), map(operator.mul, offsets, itemsizes)))
+                    if whole is True:
+                        # Every view spans its whole storage (parameters): its data pointer is the
+                        # storage's address exactly when its offset is 0 (a view's data pointer lies
+                        # inside its own storage's span, never at another storage's start), which
+                        # the storage lookups below require.
+                        addrs = list(map(_data_ptr_of, v))
+                    else:
+                        offsets = tuple(map(_offset_of, v))
+                        addrs = list(map(operator.sub, map(_data_ptr_of, v), map(operator.mul, offsets, itemsizes)))
                 except (AttributeError, TypeError):
                     return False
-                if whole is True:                # every view spans its whole storage (parameters)
-                    if any(offsets):
-                        return False
-                else:                            # as Kernel.__call__: offsets of partial views, in order
+                if whole is not True:            # as Kernel.__call__: offsets of partial views, in order
                     for offset, w in zip(offsets, whole):
                         if w:
                             if offset:
