@@ -164,10 +164,11 @@ class Region:
                 gen = None if k.generator_index is None else values[k.generator_index]
                 self.runtime.extend(rng.state_of(gen, check.device).next_key_inputs())
             outs = self._new_outputs(check.exe, check.device)[0]
-            addr_of, results = self.addr_of, self.results
-            for sid in check.written:
-                _records[addr_of[sid]].buf = PENDING
-                results.add(sid)
+            written = check.written
+            if written:   # an in-place foreach op writes a storage per list element
+                for rec in map(_records.__getitem__, map(self.addr_of.__getitem__, written)):
+                    rec.buf = PENDING
+                self.results.update(written)
             if check.maybe_checked:
                 self.sites[len(self.ops)] = sites.place(sys._getframe())
             self.ops.append(check.entry)
