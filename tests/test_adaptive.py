@@ -682,9 +682,11 @@ def test_fused_runs_overlapping_the_next_region_give_the_same_values(monkeypatch
 
 
 @pytest.mark.usefixtures("adaptive")
-def test_a_host_read_reports_the_device_checks_of_the_fused_run_in_flight():
+@pytest.mark.parametrize("read", ["cpu", "item"])
+def test_a_host_read_reports_the_device_checks_of_the_fused_run_in_flight(read):
     x = _GX.to("neuron").requires_grad_()
-    other = torch.ones(3).to("neuron")
+    host_read = {"cpu": torch.Tensor.cpu, "item": torch.Tensor.item}[read]
+    other = torch.ones(3 if read == "cpu" else 1).to("neuron")   # .item(): later reads use a host copy
 
     def step(i):
         x.grad = None
@@ -694,13 +696,13 @@ def test_a_host_read_reports_the_device_checks_of_the_fused_run_in_flight():
 
     for _ in range(3):
         step(_GOOD.to("neuron"))
-        other.cpu()
+        host_read(other)
         adaptive_mode.wait_for_compiles()
     hits = m("region_cache_hits")
     step(_BAD.to("neuron"))
     assert adaptive_mode.region.inflight is not None
     with pytest.raises(RuntimeError, match=_OUT_OF_RANGE):
-        other.cpu()   # reads nothing the run produces, but waits for the device: reports its checks
+        host_read(other)   # reads nothing the run produces, but waits for the device: reports its checks
     assert m("region_cache_hits") == hits + 1
     step(_GOOD.to("neuron"))
     assert x.grad.cpu().tolist() == [[0, 2, 0, 0], [0, 0, 2, 0], [2, 0, 0, 0]]

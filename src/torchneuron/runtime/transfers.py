@@ -64,6 +64,13 @@ def device_array(t: torch.Tensor, host: bool = False):
     return _reader(buf.shape, buf.dtype, dtype, sizes, tuple(strides), offset)(buf)
 
 
+def _report_checks() -> None:
+    """The program waits for the device at a host read: report what the device checks of all work
+    issued before it found (an adaptive-eager run in flight included)."""
+    memory.wait_in_flight("host read")
+    deferred.raise_pending()
+
+
 def to_host(t: torch.Tensor) -> np.ndarray:
     """A neuron tensor's values on the host (one counted device->host copy, traced by the profiler)."""
     tracer = metrics.tracer
@@ -75,8 +82,7 @@ def to_host(t: torch.Tensor) -> np.ndarray:
 def copy_to_host(t: torch.Tensor) -> np.ndarray:
     """``to_host`` without a profiler range (for callers that record their own)."""
     arr = np.asarray(device_array(t, host=True))
-    memory.wait_in_flight("host read")
-    deferred.raise_pending()   # the program waits for the device here: report what it found
+    _report_checks()
     metrics.d2h_copies += 1
     metrics.d2h_bytes += arr.nbytes
     return arr
@@ -108,7 +114,7 @@ def read_element(t: torch.Tensor):
     last = _last_read
     same = last.buffer is not None and last.buffer() is buf
     if same and last.host is not None:
-        deferred.raise_pending()
+        _report_checks()
         return last.host[t.storage_offset()]
     if same and buf.ndim == 1 and buf.dtype == np.dtype(jax_dtype(t.dtype)) and buf.nbytes <= HOST_COPY_LIMIT:
         tracer = metrics.tracer
@@ -123,7 +129,7 @@ def read_element(t: torch.Tensor):
 
 def _copy_buffer(buf) -> np.ndarray:
     host = np.asarray(buf)
-    deferred.raise_pending()
+    _report_checks()
     metrics.d2h_copies += 1
     metrics.d2h_bytes += host.nbytes
     return host
