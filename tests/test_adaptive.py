@@ -153,9 +153,10 @@ def test_dtype_a_lowering_refuses_raises_at_the_users_line():
     assert (x.float() + 1).sum().item() == 32896.0   # nothing half-recorded is left behind
 
 
-def _mlp_loop(read_every):
+def _mlp_loop(read_every, steps=12, after_step=None):
     """An MLP training loop with AdamW that reads the loss every ``read_every`` steps (0: only at the
-    end). Waits for the background compiles after the third step, so later steps run fused."""
+    end). Waits for the background compiles after the third step, so later steps run fused. Returns
+    the losses and the model; ``after_step()`` is called after each ``opt.step()``."""
     torch.manual_seed(1)
     tokens, labels = torch.randint(0, 50, (16, 4)), torch.randint(0, 5, (16,))
     torch.manual_seed(0)
@@ -163,17 +164,19 @@ def _mlp_loop(read_every):
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     x, y = tokens.to("neuron"), labels.to("neuron")
     losses = []
-    for step in range(12):
+    for step in range(steps):
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
+        if after_step is not None:
+            after_step()
         losses.append(loss.detach())
         if read_every and step % read_every == 0:
             loss.item()
         if step == 2:
             adaptive_mode.wait_for_compiles()
-    return [v.item() for v in losses]
+    return [v.item() for v in losses], model
 
 
 @pytest.mark.usefixtures("adaptive")
@@ -185,7 +188,7 @@ def test_training_loop_regions_repeat_whether_or_not_it_reads_the_loss(read_ever
     with torchneuron.eager_mode("plain"):
         cpu, _ = train(MLP, tokens, labels, F.cross_entropy, "cpu", make_opt, steps=12)
     torchneuron.metrics.reset()
-    neu = _mlp_loop(read_every)
+    neu, _ = _mlp_loop(read_every)
     assert_losses_match(cpu, neu)
     # Two regions per step, cut where the step has boundaries, not where the loop reads a value.
     assert m("flush_reasons") == {"backward end": 12, "optimizer step": 12}
@@ -651,22 +654,9 @@ def test_turning_device_checks_off_forgets_regions_compiled_with_them(monkeypatc
 
 def _mlp_params_after(steps, overlap, monkeypatch):
     monkeypatch.setattr(torchneuron.config, "adaptive_overlap", overlap)
-    torch.manual_seed(1)
-    tokens, labels = torch.randint(0, 50, (16, 4)), torch.randint(0, 5, (16,))
-    torch.manual_seed(0)
-    model = MLP().to("neuron")
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    x, y = tokens.to("neuron"), labels.to("neuron")
-    in_flight = 0
-    for i in range(steps):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        in_flight += adaptive_mode.region.inflight is not None
-        if i == 2:
-            adaptive_mode.wait_for_compiles()
-    return loss.item(), [p.detach().cpu() for p in model.parameters()], in_flight
+    in_flight = []
+    losses, model = _mlp_loop(0, steps, lambda: in_flight.append(adaptive_mode.region.inflight is not None))
+    return losses, [p.detach().cpu() for p in model.parameters()], sum(in_flight)
 
 
 @pytest.mark.usefixtures("adaptive")
