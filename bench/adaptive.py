@@ -184,10 +184,13 @@ def breakdown(loop, args):
         return run(plan, external, runtime, outcomes)
 
     adaptive._run = capture
+    overlap = torchneuron.config.adaptive_overlap
+    torchneuron.config.adaptive_overlap = False   # every region through _run, at its cut
     try:
         c.run(1, False)
     finally:
         adaptive._run = run
+        torchneuron.config.adaptive_overlap = overlap
     rows = []
     for plan, external, runtime in captured:
         seg = plan.direct
