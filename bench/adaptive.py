@@ -23,7 +23,7 @@ Two measurements per loop and configuration:
 
     .venv/bin/python bench/adaptive.py [--steps 10] [--repeats 15] [--first 20] [--first-repeats 1]
         [--loops mlp,mlp-read10,mlp-noread,gpt] [--gpt-layers 2] [--skip-first] [--breakdown] [--recording]
-        [--configs cpu,plain,adaptive] [--cpu-threads N]
+        [--configs cpu,plain,adaptive[,adaptive-sync]] [--cpu-threads N]
 
 On a loaded machine, CPU eager's OpenMP threads spin while they wait and lose most of their time
 (a 2 ms step took 100-200 ms at load average 10): measure with OMP_WAIT_POLICY=PASSIVE there, or
@@ -50,7 +50,7 @@ from torchneuron.eager import adaptive
 sys.path.insert(0, os.path.dirname(__file__))
 from compile import GPT  # noqa: E402  (the shared GPT-style model)
 
-CONFIGS = ("cpu", "plain", "adaptive")
+CONFIGS = ("cpu", "plain", "adaptive", "adaptive-sync")   # adaptive-sync: config.adaptive_overlap off
 
 
 def mlp_workload(device, read_every):
@@ -114,7 +114,8 @@ def run_steps(step, start, count):
 class Config:
     def __init__(self, name, loop, args):
         self.name = name
-        self.mode = "plain" if name == "cpu" else name
+        self.mode = "plain" if name == "cpu" else "adaptive" if name.startswith("adaptive") else name
+        self.overlap = name != "adaptive-sync"
         with torchneuron.eager_mode(self.mode):
             self.step = make_loop(loop, "cpu" if name == "cpu" else "neuron", args)
         self.done = 0
@@ -122,6 +123,7 @@ class Config:
         self.cpu_samples = []     # process CPU time (all threads) per step
 
     def run(self, count, record):
+        torchneuron.config.adaptive_overlap = self.overlap
         with torchneuron.eager_mode(self.mode):
             time.sleep(0.2)   # let the previous configuration's worker threads go idle
             start, cpu_start = time.perf_counter(), time.process_time()
@@ -140,7 +142,7 @@ def steady(loop, args):
     torchneuron.config.adaptive_compile_budget = 1.0
     for c in configs:
         c.run(5, False)
-        if c.name == "adaptive":
+        if c.mode == "adaptive":
             adaptive.wait_for_compiles()
             c.run(5, False)
     torchneuron.config.adaptive_compile_budget = budget
@@ -156,11 +158,12 @@ def _summary(configs, field):
     times = {c.name: statistics.median(getattr(c, field)) for c in configs}
     # Ratios from the blocks that ran back to back: a load change between rounds cancels out.
     by_name = {c.name: getattr(c, field) for c in configs}
-    if "adaptive" in by_name:
-        for name in ("plain", "cpu"):
-            if name in by_name:
-                times[f"{name}/adaptive"] = statistics.median(
-                    a / b for a, b in zip(by_name[name], by_name["adaptive"]))
+    for fast in ("adaptive", "adaptive-sync"):
+        if fast in by_name:
+            for name in ("plain", "cpu"):
+                if name in by_name:
+                    times[f"{name}/{fast}"] = statistics.median(
+                        a / b for a, b in zip(by_name[name], by_name[fast]))
     return times
 
 
@@ -256,6 +259,7 @@ def recording_cost(args):
 
 def first_steps_child(loop, config, args):
     c = Config(config, loop, args)
+    torchneuron.config.adaptive_overlap = c.overlap
     with torchneuron.eager_mode(c.mode):   # the steps alone (Config.run would add its pause)
         start, cpu_start = time.perf_counter(), time.process_time()
         run_steps(c.step, 0, args.first)
@@ -288,10 +292,12 @@ def _times(t, scale, unit):
 
 
 def _ratios(t):
-    if "adaptive" not in t:
-        return ""
-    return "  ".join(f"vs {name} {t.get(f'{name}/adaptive', t[name] / t['adaptive']):5.2f}x"
-                     for name in ("plain", "cpu") if name in t)
+    parts = []
+    for fast, label in (("adaptive", ""), ("adaptive-sync", "sync ")):
+        if fast in t:
+            parts += [f"{label}vs {name} {t.get(f'{name}/{fast}', t[name] / t[fast]):5.2f}x"
+                      for name in ("plain", "cpu") if name in t]
+    return "  ".join(parts)
 
 
 def main():
@@ -307,7 +313,7 @@ def main():
                         help="also measure the per-op recording cost against plain dispatch")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time each fused region alone against the whole step")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="a subset of cpu,plain,adaptive")
+    parser.add_argument("--configs", default="cpu,plain,adaptive", help="a subset of " + ",".join(CONFIGS))
     parser.add_argument("--cpu-threads", type=int, default=0,
                         help="torch.set_num_threads for CPU eager (default: PyTorch's own choice)")
     parser.add_argument("--child", nargs=2, metavar=("LOOP", "CONFIG"), help=argparse.SUPPRESS)
