@@ -716,3 +716,31 @@ def test_joining_a_run_in_flight_keeps_storages_the_next_region_writes_pending()
     x.grad.mul_(3)     # recorded: the next region writes x.grad's storage
     other.cpu()        # joins the run in flight (it has device checks to report)
     assert x.grad.cpu().tolist() == [[0, 6, 0, 0], [0, 0, 6, 0], [6, 0, 0, 0]]
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_an_overlapping_run_keeps_no_buffers_once_joined():
+    import weakref
+
+    from torchneuron.runtime import memory
+
+    torch.manual_seed(0)
+    model = MLP().to("neuron")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.zeros(2, 4, dtype=torch.int64).to("neuron")
+    weight = next(iter(model.parameters()))
+    for i in range(5):   # fused from the third step: forward + backward, then SGD, each overlapping
+        if i == 4:
+            torch.neuron.synchronize()
+            old = weakref.ref(memory.allocator.records[weight.data_ptr()].buf)
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+        assert adaptive_mode.region.inflight is not None or i < 3
+        if i == 1:
+            adaptive_mode.wait_for_compiles()
+    torch.neuron.synchronize()
+    gc.collect()
+    # The weight's buffer from before the last step (an input of its SGD run) went with the step:
+    # neither the worker thread nor the joined run holds it.
+    assert old() is None

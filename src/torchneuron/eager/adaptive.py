@@ -301,6 +301,7 @@ class Region:
             self._join()
             return memory.empty_buffer(_records[addr])
         self.deferred = True
+        h.wanted.add(i)
         return _Deferred(h, i)
 
     def _match(self, v, spec, sids, check):
@@ -433,9 +434,13 @@ class Region:
         for rec, addr, buf in zip(h.recs, h.index, h.results):
             if rec.buf is PENDING and sid_of.get(addr) not in written:
                 rec.buf = buf
+        results = h.results
+        # Keep only what the region being recorded reads (its placeholders): the others' storages
+        # hold them, or died (their buffers go now, as after a run at the cut).
+        h.results = [buf if i in h.wanted else None for i, buf in enumerate(results[:len(h.recs)])]
         if h.checks is not None:   # the outcomes of the ops' device checks, after the results, in op order
             ops, op_sites, checked = h.checks
-            for n, outcome in zip(checked, h.results[len(h.recs):]):
+            for n, outcome in zip(checked, results[len(h.recs):]):
                 ops[n][0].traced.report(outcome, op_sites.get(n))
 
     def flush(self, reason: str) -> None:
@@ -521,12 +526,13 @@ class _InFlight:
     positions by storage address (in the same order), and its results or error once ``latch`` is
     released."""
 
-    __slots__ = ("latch", "recs", "index", "checks", "results", "error")
+    __slots__ = ("latch", "recs", "index", "wanted", "checks", "results", "error")
 
     def __init__(self, recs, index):
         self.latch = threading.Lock()
         self.latch.acquire()
         self.recs, self.index = recs, index
+        self.wanted = set()       # positions of results the region being recorded reads
         self.checks = None        # (ops, their call sites, positions of checked ops) to report at the join
         self.results = self.error = None
 
@@ -575,6 +581,9 @@ def _run_loop():
         except BaseException as err:   # raised in the user's thread when the run is joined
             h.error = err
         h.latch.release()
+        # Not kept while waiting for the next run: the inputs' buffers (a step's old parameters and
+        # moments) go as soon as their storages have newer ones.
+        fn = external = runtime = h = None
 
 
 _traced_once: set = set()   # new executables seen at a recorded call
