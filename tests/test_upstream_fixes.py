@@ -697,3 +697,19 @@ def test_deterministic_empty_fills_like_cpu(make, dtype):
     with DeterministicGuard(True):
         got, expected = make("neuron", dtype).cpu(), make("cpu", dtype)
     torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+def test_deterministic_resize_fills_the_grown_part_like_cpu():
+    from torch.testing._internal.common_utils import DeterministicGuard
+    with DeterministicGuard(True):
+        for dtype in (torch.float32, torch.int32):
+            got = torch.ones(3, dtype=dtype, device="neuron").resize_(2, 3).cpu()
+            expected = torch.ones(3, dtype=dtype).resize_(2, 3)
+            torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+def test_masked_select_refuses_a_uint8_mask_like_cpu():
+    src, mask = torch.arange(5), torch.tensor([1, 0, 1, 0, 1], dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="expected BoolTensor for mask"):
+        src.to("neuron").masked_select(mask.to("neuron"))
+    assert src.to("neuron").masked_select(mask.bool().to("neuron")).cpu().tolist() == [0, 2, 4]

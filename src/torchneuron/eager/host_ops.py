@@ -87,6 +87,8 @@ def make_index_put(kernel, masked_fill_kernel):
 
 
 def masked_select(self: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype != torch.bool:   # ATen's check (indexing would take a uint8 mask, with a warning)
+        raise RuntimeError("masked_select: expected BoolTensor for mask")
     shape = torch.broadcast_shapes(self.shape, mask.shape)
     return self.expand(shape)[mask.expand(shape)]
 

@@ -75,6 +75,7 @@ def resize_(self, size, memory_format=None):
         old_numel = self.untyped_storage().nbytes() // self.element_size()
         fresh = memory.allocator.new_tensor((self.storage_offset() + numel,), (1,), self.dtype,
                                             self.device.index or 0)
+        _deterministic_fill(fresh[old_numel:])   # the grown part, as ATen's resize fills it
         if old_numel:
             old = torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
                 _CPU, self.new_empty(0), self.untyped_storage(), 0, (old_numel,), (1,))
