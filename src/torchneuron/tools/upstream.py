@@ -517,13 +517,26 @@ def rerun_ids(recs: dict, patterns: str) -> list[str]:
         r["status"] in FAILING if p == "failing" else fnmatch.fnmatchcase(t, p) for p in pats))
 
 
+def _seconds_left(recs: dict, total: int) -> float:
+    seconds = [r.get("seconds") or 0.0 for t, r in recs.items() if t != "<collection>"]
+    return (total - len(seconds)) * sum(seconds) / len(seconds) if seconds else 0.0
+
+
+def _hours_left(results: dict, totals: dict, complete: set) -> str:
+    left = sum(_seconds_left(results[f], totals[f]) for f in results if totals.get(f) and f not in complete)
+    if not left:
+        return ""
+    return (f" At the mean time per test recorded so far, the rest of the sampled files needs about "
+            f"{left / 3600:,.0f} hours of one worker on the machine that ran them (most of a test's time "
+            "is compiling executables for its shapes).")
+
+
 def _time_left(recs: dict, total: int) -> str:
     """The rest of a sampled file at the mean time per test recorded so far (on the machine that
     ran it; a uniform sample, so the mean carries over)."""
-    seconds = [r.get("seconds") or 0.0 for t, r in recs.items() if t != "<collection>"]
-    if not seconds:
+    if not any(t != "<collection>" for t in recs):
         return ""
-    hours = (total - len(seconds)) * sum(seconds) / len(seconds) / 3600
+    hours = _seconds_left(recs, total) / 3600
     return f"; about {hours:.0f} h to complete" if hours >= 1 else f"; about {hours * 60:.0f} min to complete"
 
 
@@ -684,7 +697,7 @@ def render(results: dict, expectations: Expectations, sources: dict, meta: dict,
                  "count, the complete run has not reached the rest yet (it resumes: `make upstream`); a "
                  "file's tests run in a fixed pseudo-random order, so its results so far are a uniform "
                  "sample of its classes, tests and ops. The classes run per file are listed in "
-                 "`torchneuron.tools.upstream.FILES`.")
+                 "`torchneuron.tools.upstream.FILES`." + _hours_left(results, totals, complete))
     lines += ["", "## Expectations by reason", ""]
     by_entry = defaultdict(Counter)
     for file, recs in results.items():
