@@ -13,6 +13,7 @@ CONFIGS = [
     (torch.nn.LSTM, dict(num_layers=2, bidirectional=True, batch_first=True)),
     (torch.nn.LSTM, dict(num_layers=3, bias=False)),
     (torch.nn.LSTM, dict(proj_size=3, bidirectional=True)),
+    (torch.nn.LSTM, dict(proj_size=2, num_layers=2, bidirectional=True)),   # 20 parameters: 4 * 5
     (torch.nn.GRU, dict()),
     (torch.nn.GRU, dict(num_layers=2, bidirectional=True, batch_first=True)),
     (torch.nn.RNN, dict(nonlinearity="tanh", num_layers=2)),

@@ -719,3 +719,17 @@ def test_inplace_elu_with_positive_alpha_backward_matches_cpu():
         torch.nn.functional.elu_(a.clone(), alpha=0.7).sum().backward()
         grads.append(a.grad.cpu())
     torch.testing.assert_close(grads[1], grads[0])
+
+
+# TestNNDeviceType.test_nll_loss_byte_target_matches_long: CPU's nll_loss accepts uint8 class
+# targets; PyTorch's meta kernel (a gather) refuses them, and neuron raised its error.
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_nll_loss_accepts_uint8_target_as_cpu_does(reduction):
+    results = []
+    for device in ("cpu", "neuron"):
+        x = torch.linspace(-2, 2, 40).reshape(10, 4).to(device).requires_grad_()
+        target = torch.tensor([0, 3, 2, 1, 1, 0, 3, 2, 2, 1], dtype=torch.uint8, device=device)
+        loss = torch.nn.functional.nll_loss(torch.log_softmax(x, -1), target, reduction=reduction)
+        loss.sum().backward()
+        results.append((loss.detach().cpu(), x.grad.cpu()))
+    torch.testing.assert_close(results[1], results[0])
