@@ -733,3 +733,19 @@ def test_nll_loss_accepts_uint8_target_as_cpu_does(reduction):
         loss.sum().backward()
         results.append((loss.detach().cpu(), x.grad.cpu()))
     torch.testing.assert_close(results[1], results[0])
+
+
+# TestNNDeviceType.test_CTCLoss_empty_target: with every target empty the extended target is one
+# blank wide, and the CTC lowering's shifts by two (the s-2 transition) failed to compile.
+@pytest.mark.parametrize("target_lengths", [[0, 0, 0], [0, 4, 0], [3, 5, 2]])
+def test_ctc_loss_with_empty_targets_matches_cpu(target_lengths):
+    gen = torch.Generator().manual_seed(0)
+    log_probs = torch.randn(12, 3, 6, generator=gen).log_softmax(2)
+    targets = torch.randint(1, 6, (sum(target_lengths),), generator=gen)
+    results = []
+    for device in ("cpu", "neuron"):
+        x = log_probs.to(device).detach().requires_grad_()
+        loss = torch.nn.functional.ctc_loss(x, targets.to(device), [12, 10, 12], target_lengths, reduction="none")
+        loss.sum().backward()
+        results.append((loss.detach().cpu(), x.grad.cpu()))
+    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-4)
