@@ -749,3 +749,37 @@ def test_ctc_loss_with_empty_targets_matches_cpu(target_lengths):
         loss.sum().backward()
         results.append((loss.detach().cpu(), x.grad.cpu()))
     torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-4)
+
+
+def _singular_batch(device):
+    a = torch.eye(3).repeat(5, 1, 1)
+    a[3, -2, -2] = 0
+    return a.to(device)
+
+
+# TestLinalg.test_inv_ex_singular: the linalg *_ex ops ignored check_errors=True on neuron (info
+# was right, nothing raised); ATen raises its LinAlgError (RuntimeError for lu_factor_ex).
+@pytest.mark.parametrize("case", [
+    lambda d: torch.linalg.inv_ex(_singular_batch(d)[3], check_errors=True),
+    lambda d: torch.linalg.inv_ex(_singular_batch(d), check_errors=True),
+    lambda d: torch.linalg.inv_ex(_singular_batch(d), check_errors=True,
+                                  out=(torch.empty(0, device=d), torch.empty(0, dtype=torch.int32, device=d))),
+    # (a failing minor of order 1: for a later order neuron's info says 1, see the lead's report)
+    lambda d: torch.linalg.cholesky_ex(-_singular_batch(d), check_errors=True),
+    lambda d: torch.linalg.lu_factor_ex(_singular_batch(d), check_errors=True),
+    lambda d: torch.linalg.solve_ex(_singular_batch(d), torch.ones(5, 3, device=d), check_errors=True),
+], ids=["inv_ex", "inv_ex-batched", "inv_ex-out", "cholesky_ex", "lu_factor_ex", "solve_ex"])
+def test_linalg_ex_check_errors_raises_as_cpu(case):
+    errors = []
+    for device in ("cpu", "neuron"):
+        with pytest.raises(RuntimeError) as info:
+            case(device)
+        errors.append((type(info.value), str(info.value).splitlines()[0]))
+    assert errors[1] == errors[0]
+
+
+def test_linalg_ex_check_errors_on_invertible_input_returns_zero_info():
+    a = torch.eye(3).repeat(2, 1, 1) * 2
+    got = torch.linalg.inv_ex(a.to("neuron"), check_errors=True)
+    torch.testing.assert_close(got.inverse.cpu(), torch.linalg.inv(a))
+    assert got.info.cpu().tolist() == [0, 0]
