@@ -764,8 +764,7 @@ def _singular_batch(device):
     lambda d: torch.linalg.inv_ex(_singular_batch(d), check_errors=True),
     lambda d: torch.linalg.inv_ex(_singular_batch(d), check_errors=True,
                                   out=(torch.empty(0, device=d), torch.empty(0, dtype=torch.int32, device=d))),
-    # (a failing minor of order 1: for a later order neuron's info says 1, see the lead's report)
-    lambda d: torch.linalg.cholesky_ex(-_singular_batch(d), check_errors=True),
+    lambda d: torch.linalg.cholesky_ex(_singular_batch(d), check_errors=True),
     lambda d: torch.linalg.lu_factor_ex(_singular_batch(d), check_errors=True),
     lambda d: torch.linalg.solve_ex(_singular_batch(d), torch.ones(5, 3, device=d), check_errors=True),
 ], ids=["inv_ex", "inv_ex-batched", "inv_ex-out", "cholesky_ex", "lu_factor_ex", "solve_ex"])
@@ -783,3 +782,23 @@ def test_linalg_ex_check_errors_on_invertible_input_returns_zero_info():
     got = torch.linalg.inv_ex(a.to("neuron"), check_errors=True)
     torch.testing.assert_close(got.inverse.cpu(), torch.linalg.inv(a))
     assert got.info.cpu().tolist() == [0, 0]
+
+
+# TestLinalg.test_cholesky_errors_and_warnings: XLA fills a failed Cholesky factor with NaN, and
+# neuron's info named its first NaN (always order 1) where LAPACK names the first leading minor
+# that is not positive-definite.
+def test_cholesky_info_names_the_first_failing_leading_minor():
+    gen = torch.Generator().manual_seed(0)
+    b = torch.randn(3, 5, 5, generator=gen)
+    a = b @ b.mT + torch.eye(5)
+    a[0, 3, 3] = -20.0       # order 4
+    a[2, 1, 1] = 0.0         # order 2 (or earlier if the Schur complement says so)
+    c = torch.randn(5, 5, dtype=torch.complex64, generator=gen)
+    c = c @ c.mH + torch.eye(5)
+    c[2, 2] = -1.0
+    for m in (a, c):
+        for upper in (False, True):
+            expected = torch.linalg.cholesky_ex(m, upper=upper).info
+            got = torch.linalg.cholesky_ex(m.to("neuron"), upper=upper).info.cpu()
+            assert got.tolist() == expected.tolist()
+    assert torch.linalg.cholesky_ex(a).info.tolist()[1] == 0
