@@ -13,6 +13,7 @@ CONFIGS = [
     (torch.nn.LSTM, dict(num_layers=2, bidirectional=True, batch_first=True)),
     (torch.nn.LSTM, dict(num_layers=3, bias=False)),
     (torch.nn.LSTM, dict(proj_size=3, bidirectional=True)),
+    (torch.nn.LSTM, dict(proj_size=2, num_layers=2, bidirectional=True)),   # 20 parameters: 4 * 5
     (torch.nn.GRU, dict()),
     (torch.nn.GRU, dict(num_layers=2, bidirectional=True, batch_first=True)),
     (torch.nn.RNN, dict(nonlinearity="tanh", num_layers=2)),
@@ -149,3 +150,29 @@ def test_packed_sequences_match_cpu(mode):
     packed = torch.nn.utils.rnn.pack_padded_sequence(x, [5, 3])
     packed_d = torch.nn.utils.rnn.pack_padded_sequence(x.to("neuron"), [5, 3])
     torch.testing.assert_close(dev(packed_d)[0].data.cpu(), ref(packed)[0].data, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cls,kw", [(torch.nn.GRU, dict()), (torch.nn.LSTM, dict(num_layers=2)),
+                                    (torch.nn.LSTM, dict(proj_size=2, bidirectional=True))],
+                         ids=["GRU", "LSTM-2-layers", "LSTM-proj-bidirectional"])
+def test_double_backward_matches_cpu(cls, kw, strict_fallback):
+    # create_graph=True: the gradient is itself differentiated (gradgradcheck, gradient penalties).
+    # The fused backward has no derivative; it used to give silently zero second derivatives.
+    results = []
+    for device in ("cpu", "neuron"):
+        torch.manual_seed(0)
+        m = cls(4, 5, **kw).to(device)
+        x = torch.linspace(-1, 1, 2 * 3 * 4).reshape(2, 3, 4).to(device).requires_grad_()
+        out, _ = m(x)
+        gx, = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+        gx.pow(2).sum().backward()
+        results.append((gx.detach().cpu(), x.grad.cpu(), [p.grad.cpu() for p in m.parameters()]))
+    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-4)
+
+
+def test_double_backward_with_training_dropout_raises():
+    m = torch.nn.GRU(4, 5, num_layers=2, dropout=0.5).to("neuron")
+    x = torch.ones(2, 3, 4, device="neuron", requires_grad=True)
+    out, _ = m(x)
+    with pytest.raises(RuntimeError, match="double backward .* dropout"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)

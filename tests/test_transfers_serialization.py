@@ -121,3 +121,20 @@ def test_item_in_a_loop_copies_the_buffer_once_and_sees_every_write():
     assert [h[0].item(), h[1].item(), h[0].item()] == [1.5, -2.25, 1.5]
     b = torch.tensor([True, False, True], device="neuron")
     assert [bool(v) for v in b] == [True, False, True]
+
+
+def test_copying_elements_of_a_view_to_the_host_reuses_one_reader():
+    # TestNNDeviceType.test_upsamplingNearest3d_correctness copies 1331 elements x[0, 0, i, j, k]
+    # one by one into a CPU tensor: the host reader compiled one executable per storage offset
+    # (~100 ms per element); the offset is a runtime input now.
+    from torchneuron.runtime import transfers
+    x = torch.arange(6 * 7 * 8, dtype=torch.float32).reshape(6, 7, 8)
+    n = x.to("neuron")
+    out = torch.zeros(6, 7, 2)
+    before = transfers._reader.cache_info().currsize
+    for i in range(6):
+        for j in range(7):
+            out[i, j, 0] = n[i, j, 3]       # a 0-d view at 42 different offsets
+            out[i, j, 1] = n[i, j, ::4][1]  # and one reached through a strided view
+    assert transfers._reader.cache_info().currsize - before <= 1
+    torch.testing.assert_close(out, torch.stack([x[:, :, 3], x[:, :, 4]], dim=-1))

@@ -671,7 +671,10 @@ def test_hardshrink_propagates_nan():
 @pytest.mark.parametrize("inplace_op", [
     lambda t: torch.nn.functional.leaky_relu_(t, -2),
     lambda t: torch.nn.functional.rrelu_(t, -5.0, 1.0),
-], ids=["leaky_relu_", "rrelu_"])
+    # TestNNDeviceType.test_elu_inplace_with_neg_alpha: elu_backward refuses it the same way.
+    lambda t: torch.nn.functional.elu_(t, alpha=-2),
+    lambda t: torch.nn.functional.celu_(t, alpha=-2),
+], ids=["leaky_relu_", "rrelu_", "elu_", "celu_"])
 def test_inplace_leaky_relu_with_negative_slope_refuses_backward(inplace_op):
     a = torch.tensor([-1.0, 1.0], device="neuron", requires_grad=True)
     b = inplace_op(a.clone())
@@ -713,3 +716,95 @@ def test_masked_select_refuses_a_uint8_mask_like_cpu():
     with pytest.raises(RuntimeError, match="expected BoolTensor for mask"):
         src.to("neuron").masked_select(mask.to("neuron"))
     assert src.to("neuron").masked_select(mask.bool().to("neuron")).cpu().tolist() == [0, 2, 4]
+
+
+def test_inplace_elu_with_positive_alpha_backward_matches_cpu():
+    grads = []
+    for device in ("cpu", "neuron"):
+        a = torch.tensor([-1.0, 0.5, 2.0], device=device, requires_grad=True)
+        torch.nn.functional.elu_(a.clone(), alpha=0.7).sum().backward()
+        grads.append(a.grad.cpu())
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+# TestNNDeviceType.test_nll_loss_byte_target_matches_long: CPU's nll_loss accepts uint8 class
+# targets; PyTorch's meta kernel (a gather) refuses them, and neuron raised its error.
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_nll_loss_accepts_uint8_target_as_cpu_does(reduction):
+    results = []
+    for device in ("cpu", "neuron"):
+        x = torch.linspace(-2, 2, 40).reshape(10, 4).to(device).requires_grad_()
+        target = torch.tensor([0, 3, 2, 1, 1, 0, 3, 2, 2, 1], dtype=torch.uint8, device=device)
+        loss = torch.nn.functional.nll_loss(torch.log_softmax(x, -1), target, reduction=reduction)
+        loss.sum().backward()
+        results.append((loss.detach().cpu(), x.grad.cpu()))
+    torch.testing.assert_close(results[1], results[0])
+
+
+# TestNNDeviceType.test_CTCLoss_empty_target: with every target empty the extended target is one
+# blank wide, and the CTC lowering's shifts by two (the s-2 transition) failed to compile.
+@pytest.mark.parametrize("target_lengths", [[0, 0, 0], [0, 4, 0], [3, 5, 2]])
+def test_ctc_loss_with_empty_targets_matches_cpu(target_lengths):
+    gen = torch.Generator().manual_seed(0)
+    log_probs = torch.randn(12, 3, 6, generator=gen).log_softmax(2)
+    targets = torch.randint(1, 6, (sum(target_lengths),), generator=gen)
+    results = []
+    for device in ("cpu", "neuron"):
+        x = log_probs.to(device).detach().requires_grad_()
+        loss = torch.nn.functional.ctc_loss(x, targets.to(device), [12, 10, 12], target_lengths, reduction="none")
+        loss.sum().backward()
+        results.append((loss.detach().cpu(), x.grad.cpu()))
+    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-4)
+
+
+def _singular_batch(device):
+    a = torch.eye(3).repeat(5, 1, 1)
+    a[3, -2, -2] = 0
+    return a.to(device)
+
+
+# TestLinalg.test_inv_ex_singular: the linalg *_ex ops ignored check_errors=True on neuron (info
+# was right, nothing raised); ATen raises its LinAlgError (RuntimeError for lu_factor_ex).
+@pytest.mark.parametrize("case", [
+    lambda d: torch.linalg.inv_ex(_singular_batch(d)[3], check_errors=True),
+    lambda d: torch.linalg.inv_ex(_singular_batch(d), check_errors=True),
+    lambda d: torch.linalg.inv_ex(_singular_batch(d), check_errors=True,
+                                  out=(torch.empty(0, device=d), torch.empty(0, dtype=torch.int32, device=d))),
+    lambda d: torch.linalg.cholesky_ex(_singular_batch(d), check_errors=True),
+    lambda d: torch.linalg.lu_factor_ex(_singular_batch(d), check_errors=True),
+    lambda d: torch.linalg.solve_ex(_singular_batch(d), torch.ones(5, 3, device=d), check_errors=True),
+], ids=["inv_ex", "inv_ex-batched", "inv_ex-out", "cholesky_ex", "lu_factor_ex", "solve_ex"])
+def test_linalg_ex_check_errors_raises_as_cpu(case):
+    errors = []
+    for device in ("cpu", "neuron"):
+        with pytest.raises(RuntimeError) as info:
+            case(device)
+        errors.append((type(info.value), str(info.value).splitlines()[0]))
+    assert errors[1] == errors[0]
+
+
+def test_linalg_ex_check_errors_on_invertible_input_returns_zero_info():
+    a = torch.eye(3).repeat(2, 1, 1) * 2
+    got = torch.linalg.inv_ex(a.to("neuron"), check_errors=True)
+    torch.testing.assert_close(got.inverse.cpu(), torch.linalg.inv(a))
+    assert got.info.cpu().tolist() == [0, 0]
+
+
+# TestLinalg.test_cholesky_errors_and_warnings: XLA fills a failed Cholesky factor with NaN, and
+# neuron's info named its first NaN (always order 1) where LAPACK names the first leading minor
+# that is not positive-definite.
+def test_cholesky_info_names_the_first_failing_leading_minor():
+    gen = torch.Generator().manual_seed(0)
+    b = torch.randn(3, 5, 5, generator=gen)
+    a = b @ b.mT + torch.eye(5)
+    a[0, 3, 3] = -20.0       # order 4
+    a[2, 1, 1] = 0.0         # order 2 (or earlier if the Schur complement says so)
+    c = torch.randn(5, 5, dtype=torch.complex64, generator=gen)
+    c = c @ c.mH + torch.eye(5)
+    c[2, 2] = -1.0
+    for m in (a, c):
+        for upper in (False, True):
+            expected = torch.linalg.cholesky_ex(m, upper=upper).info
+            got = torch.linalg.cholesky_ex(m.to("neuron"), upper=upper).info.cpu()
+            assert got.tolist() == expected.tolist()
+    assert torch.linalg.cholesky_ex(a).info.tolist()[1] == 0

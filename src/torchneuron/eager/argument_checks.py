@@ -2,9 +2,9 @@
 
 ``random_(from, to)`` and ``uniform_(from, to)`` check their range against the tensor's dtype,
 ``normal(mean, std)`` checks that no element of a tensor ``std`` is negative, and
-``leaky_relu_backward`` refuses the backward of an in-place leaky_relu with a negative slope. These
-values are runtime inputs of the executables (one executable serves every range and slope), and
-meta kernels skip the checks, so the eager kernel runs the check below before each call of these
+``leaky_relu_backward``/``elu_backward`` refuse the backward of an in-place leaky_relu/elu with a
+negative slope/alpha. These values are runtime inputs of the executables (one executable serves
+every range and slope), and meta kernels skip the checks, so the eager kernel runs the check below before each call of these
 ops (no other op pays for it):
 the range checks replay the call on an empty CPU tensor of the same dtype, so the errors and
 warnings are CPU PyTorch's own; the ``std`` check reads one bool from the device, as CUDA does.
@@ -41,7 +41,18 @@ def _inplace_leaky_relu_slope(kernel, values) -> None:
             "do require supporting in-place leakRelu backward calculation with negative slope")
 
 
+def _inplace_elu_alpha(kernel, values) -> None:
+    # elu_backward(grad_output, alpha, scale, input_scale, is_result, self_or_result)
+    alpha, is_result = values[1], values[4]
+    if is_result and alpha < 0:
+        raise RuntimeError(
+            "In-place elu backward calculation is triggered with a negative slope which is not supported. "
+            "This is caused by calling in-place forward function with a negative slope, please call "
+            "out-of-place version instead.")
+
+
 CHECKS = {
+    "elu_backward": _inplace_elu_alpha,
     "leaky_relu_backward": _inplace_leaky_relu_slope,
     "random_.from": _replay_on_empty_cpu,
     "random_.to": _replay_on_empty_cpu,

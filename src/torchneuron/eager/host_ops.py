@@ -109,3 +109,24 @@ def repeat_interleave_tensor(repeats: torch.Tensor, *, output_size=None) -> torc
     if (host < 0).any():
         raise RuntimeError("repeats can not be negative")
     return _upload_int64(np.repeat(np.arange(host.shape[0]), host), repeats.device.index or 0)
+
+
+# The linalg ``*_ex`` ops with ``check_errors=True`` raise ATen's LinAlgError for a failed
+# factorisation: ATen's kernels read ``info`` back after the factorisation (a synchronisation, as
+# on CUDA). The lowerings return ``info``; this does the read and the check, with ATen's own texts.
+# overload name -> (api name in the message, index of info among the results)
+CHECKED_EX = {
+    "linalg_inv_ex": ("linalg.inv_ex", 1),
+    "linalg_cholesky_ex": ("linalg.cholesky_ex", 1),
+    "linalg_lu_factor_ex": ("torch.linalg.lu_factor_ex", 2),
+    "_linalg_solve_ex": ("torch.linalg.solve_ex", 3),
+}
+
+
+def make_check_errors(kernel, api: str, info_index: int):
+    def checked(A, *args, **kwargs):
+        result = kernel(A, *args, **kwargs)
+        if kwargs.get("check_errors", False):
+            torch.ops.aten._linalg_check_errors(result[info_index], api, is_matrix=A.dim() == 2)
+        return result
+    return checked

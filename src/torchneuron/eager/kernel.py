@@ -401,6 +401,13 @@ class Kernel(OpSignature):
             cpu = self._cpu_error(values)
             if cpu is not None:
                 raise cpu from None
+            if oracle.replays(self.overload) and not oracle.too_large(values):
+                # CPU ran the call the meta kernel refuses (nll_loss with a uint8 target: the meta
+                # kernel's gather wants int32/int64): CPU is the oracle, the lowering gives shapes.
+                try:
+                    return self._shape_from_lowering(values)
+                except Exception:   # noqa: BLE001 - the lowering cannot serve it: the meta error stands
+                    pass
             # A meta kernel's AssertionError is a TORCH_CHECK in ATen's kernel: a RuntimeError.
             cls = RuntimeError if isinstance(err, AssertionError) else type(err)
             raise cls(f"{err}\n[torchneuron] in {self.name}{_describe(values)}") from None

@@ -92,6 +92,9 @@ def _kernel_table() -> dict:
     for name in ("_fused_adamw_", "_fused_adam_"):
         if f"{name}.tensor_lr" in table:
             table[f"{name}.default"] = _runtime_lr(table[f"{name}.tensor_lr"])
+    for name, (api, info_index) in host_ops.CHECKED_EX.items():
+        for variant in [n for n in table if n.split(".", 1)[0] == name]:   # functional and out=
+            table[variant] = host_ops.make_check_errors(table[variant], api, info_index)
     table["nonzero.default"] = host_ops.nonzero
     table["masked_select.default"] = host_ops.masked_select
     table["_fused_sdp_choice.default"] = host_ops.fused_sdp_choice

@@ -5,6 +5,8 @@ plain backend kernel would never be reached with autograd on. ``install(lib)`` r
 ``AutogradPrivateUse1`` kernel for those ops that runs the forward as the custom op
 ``torchneuron::rnn`` (which also returns the dropout PRNG key) and the backward as
 ``torchneuron::rnn_backward``; both are ordinary ``Kernel``s over the pure JAX bodies in ``ops/rnn.py``.
+A backward that must itself be differentiable (``create_graph=True``) runs ATen's composite RNN
+instead (one fused cell per time step, each with its derivative).
 """
 
 from __future__ import annotations
@@ -53,11 +55,38 @@ class _FusedRNN(torch.autograd.Function):
         n_hx = ctx.n_hx
         hx, params = tensors[:n_hx], tensors[n_hx:]
         mode, has_biases, num_layers, dropout, train, bidirectional, batch_first = ctx.config
+        if torch.is_grad_enabled():   # create_graph=True: the fused backward has no derivative
+            return _composite_backward(ctx, grads, input, tensors)
         full = [g if g is not None else torch.zeros_like(ref) for g, ref in
                 zip(grads, _reference_outputs(ctx, input, hx))]
         out = _kernel("backward")(full, key_data, mode, input, list(hx), list(params), has_biases, num_layers,
                                   dropout, train, bidirectional, batch_first)
         return (None, out[0], None, *out[1:])
+
+
+def _composite_backward(ctx, grads, input, tensors):
+    """The backward as a differentiable graph (double backward, gradgradcheck): recompute the
+    forward with ATen's composite RNN (one fused cell op per time step, each with its derivative)
+    from the saved inputs and differentiate it with create_graph."""
+    mode, has_biases, num_layers, dropout, train, bidirectional, batch_first = ctx.config
+    if dropout > 0 and train:
+        raise RuntimeError(
+            f"torchneuron: double backward (create_graph=True) through nn.{mode.upper()} with dropout "
+            "in training mode is not supported on neuron: the recomputed forward would draw other "
+            "dropout masks. Use dropout=0 or eval() for higher-order gradients, or run the module on CPU.")
+    n_hx = ctx.n_hx
+    hx, params = list(tensors[:n_hx]), list(tensors[n_hx:])
+    op = getattr(torch.ops.aten, mode).input
+    outs = op.decompose(input, hx if mode == "lstm" else hx[0], params, has_biases, num_layers, dropout,
+                        train, bidirectional, batch_first)
+    wrt = [(i, t) for i, t in enumerate((input, *tensors)) if t.requires_grad]
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+    got = torch.autograd.grad([o for o, _ in pairs], [t for _, t in wrt], [g for _, g in pairs],
+                              create_graph=True, allow_unused=True)
+    result = [None] * (1 + len(tensors))
+    for (i, _), g in zip(wrt, got):
+        result[i] = g
+    return (None, result[0], None, *result[1:])
 
 
 def _reference_outputs(ctx, input, hx):

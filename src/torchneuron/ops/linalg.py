@@ -260,8 +260,33 @@ def _cholesky(A, upper):
     # LAPACK potrf reads one triangle only (the lower one, or the upper one for upper=True).
     herm = jnp.triu(A) + _mH(jnp.triu(A, 1)) if upper else jnp.tril(A) + _mH(jnp.tril(A, -1))
     L = lax.linalg.cholesky(herm, symmetrize_input=False)
-    info = _first_index(~jnp.isfinite(jnp.real(jnp.diagonal(L, axis1=-2, axis2=-1))))
+    failed = ~jnp.isfinite(jnp.real(jnp.diagonal(L, axis1=-2, axis2=-1)))
+    # XLA fills a failed factor with NaN: LAPACK's info (the order of the first leading minor that
+    # is not positive-definite) is recomputed, only when some matrix failed.
+    info = lax.cond(jnp.any(failed), _minor_not_positive_definite, lambda a: jnp.zeros(a.shape[:-2], jnp.int32),
+                    herm)
     return (_mH(L) if upper else L), info
+
+
+def _minor_not_positive_definite(A):
+    """1 + the first k at which an unblocked Cholesky of A meets a pivot that is not > 0; 0 if none."""
+    n = A.shape[-1]
+    idx = jnp.arange(n)
+
+    def column(k, state):
+        L, info = state
+        done = idx < k
+        row = jnp.where(done, L[..., k, :], 0)
+        pivot = jnp.real(A[..., k, k]) - jnp.sum(jnp.abs(row) ** 2, axis=-1)
+        bad = ~(pivot > 0)   # NaN too
+        info = jnp.where((info == 0) & bad, k + 1, info)
+        d = jnp.sqrt(jnp.where(bad, 1, pivot)).astype(A.dtype)
+        below = (A[..., :, k] - jnp.einsum("...ij,...j->...i", jnp.where(done, L, 0), jnp.conj(row))) / d[..., None]
+        col = jnp.where(idx > k, below, jnp.where(idx == k, d[..., None], 0))
+        return L.at[..., :, k].set(col), info
+
+    _, info = lax.fori_loop(0, n, column, (jnp.zeros_like(A), jnp.zeros(A.shape[:-2], jnp.int32)))
+    return info
 
 
 @lowering("linalg_cholesky_ex.default")

@@ -265,6 +265,15 @@ def _lse3(a, b, c):
     return jnp.log(jnp.exp(a - m) + jnp.exp(b - m) + jnp.exp(c - m)) + m
 
 
+def _shift(x, k, fill):
+    """x moved k places along the last axis (right for k > 0, left for k < 0), ``fill`` coming in;
+    any width, a 1-wide extended target (all targets empty) included."""
+    width = x.shape[-1]
+    pad = ((0, 0), (k, 0)) if k > 0 else ((0, 0), (0, -k))
+    padded = jnp.pad(x, pad, constant_values=fill)
+    return padded[:, :width] if k > 0 else padded[:, -k:]
+
+
 def _ctc_alpha(log_probs, targets, input_lengths, target_lengths, blank):
     lp = jnp.transpose(log_probs, (1, 0, 2))                 # (N, T, C)
     n, t_max, _ = lp.shape
@@ -274,15 +283,16 @@ def _ctc_alpha(log_probs, targets, input_lengths, target_lengths, blank):
     s = jnp.arange(s_len)
     in_range = s[None, :] <= 2 * tl[:, None]
     # s-2 transition allowed when l'(s) != l'(s-2) (never for blanks).
-    skip = jnp.concatenate([jnp.zeros((n, 2), bool), ext[:, 2:] != ext[:, :-2]], axis=1)
+    # (Where the shift brings in the fill, the shifted alpha/beta is -inf: what skip says there is moot.)
+    skip = ext != _shift(ext, 2, blank)
     neg = jnp.asarray(-jnp.inf, lp.dtype)
     emit = jnp.take_along_axis(lp, jnp.broadcast_to(ext[:, None, :], (n, t_max, s_len)), axis=2)   # (N, T, S)
     a0 = jnp.where((s[None, :] == 0) | ((s[None, :] == 1) & (tl[:, None] > 0)), emit[:, 0, :], neg)
     a0 = jnp.where(in_range, a0, neg)
 
     def step(prev, e):
-        la2 = jnp.concatenate([jnp.full((n, 1), neg), prev[:, :-1]], axis=1)
-        la3 = jnp.where(skip, jnp.concatenate([jnp.full((n, 2), neg), prev[:, :-2]], axis=1), neg)
+        la2 = _shift(prev, 1, neg)
+        la3 = jnp.where(skip, _shift(prev, 2, neg), neg)
         cur = jnp.where(in_range, _lse3(prev, la2, la3) + e, neg)
         return cur, cur
 
@@ -325,14 +335,14 @@ def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, n
     il = jnp.asarray(np.asarray(input_lengths, np.int64))
     s = jnp.arange(s_len)
     in_range = s[None, :] <= 2 * tl[:, None]
-    skip_next = jnp.concatenate([ext[:, :-2] != ext[:, 2:], jnp.zeros((n, 2), bool)], axis=1)
+    skip_next = ext != _shift(ext, -2, blank)
     neg = jnp.asarray(-jnp.inf, emit.dtype)
     t_idx = jnp.arange(t_max)
     # beta, backwards in time; each sequence starts at its own last step il-1.
     def step(nxt, inputs):
         e, t = inputs
-        lb2 = jnp.concatenate([nxt[:, 1:], jnp.full((n, 1), neg)], axis=1)
-        lb3 = jnp.where(skip_next, jnp.concatenate([nxt[:, 2:], jnp.full((n, 2), neg)], axis=1), neg)
+        lb2 = _shift(nxt, -1, neg)
+        lb3 = jnp.where(skip_next, _shift(nxt, -2, neg), neg)
         cur = jnp.where(in_range, _lse3(nxt, lb2, lb3) + e, neg)
         start = jnp.where(in_range & ((s[None, :] == 2 * tl[:, None]) | (s[None, :] == 2 * tl[:, None] - 1)), e, neg)
         cur = jnp.where((t == il - 1)[:, None], start, jnp.where((t < il - 1)[:, None], cur, neg))

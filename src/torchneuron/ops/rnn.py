@@ -101,7 +101,9 @@ def rnn_stack(mode, input, hx, params, has_biases, num_layers, dropout, train, b
     if unbatched:
         h0 = h0[:, None]
         c0 = c0[:, None] if c0 is not None else None
-    proj = mode == "lstm" and len(params) % (4 if has_biases else 2) != 0
+    # Projections as ATen tells them: h is proj_size wide, c hidden_size (counting parameters cannot:
+    # 4 directions x 5 tensors is a multiple of 4).
+    proj = mode == "lstm" and hx[0].shape[-1] != hx[1].shape[-1]
     layers = _layer_params([p.astype(compute) for p in params], has_biases, num_layers, bidirectional, proj)
     dirs = 2 if bidirectional else 1
     hs, cs = [], []
