@@ -377,6 +377,15 @@ def _run_worker(args) -> int:
                 cls(method).run(result)
             except BaseException as e:  # noqa: BLE001 - a test that escapes unittest's handling
                 result._set("error", f"{type(e).__name__}: {e}"[:400])
+            if args.device == "neuron":
+                # A device check reports at the next synchronisation point: the error belongs to
+                # this test, not to the next one's first comparison.
+                try:
+                    torch.neuron.synchronize()
+                except Exception as e:  # noqa: BLE001 - whatever the device reported
+                    if result.outcome is None or result.outcome[0] == "passed":
+                        result.outcome = ("error", f"reported after the test ended (a device check it "
+                                                   f"triggered): {type(e).__name__}: {e}"[:400])
             seconds = time.perf_counter() - t0
             status, message = result.outcome or ("error", "the test reported no outcome")
             record(tid, status, message, seconds, metrics.fallbacks if metrics is not None else ())
