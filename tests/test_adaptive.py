@@ -673,7 +673,8 @@ def test_fused_runs_overlapping_the_next_region_give_the_same_values(monkeypatch
 
 @pytest.mark.usefixtures("adaptive")
 @pytest.mark.parametrize("read", ["cpu", "item"])
-def test_a_host_read_reports_the_device_checks_of_the_fused_run_in_flight(read):
+def test_a_host_read_reports_the_device_checks_of_the_fused_run_in_flight(read, monkeypatch):
+    monkeypatch.setattr(torchneuron.config, "adaptive_overlap", True)
     x = _GX.to("neuron").requires_grad_()
     host_read = {"cpu": torch.Tensor.cpu, "item": torch.Tensor.item}[read]
     other = torch.ones(3 if read == "cpu" else 1).to("neuron")   # .item(): later reads use a host copy
@@ -699,7 +700,8 @@ def test_a_host_read_reports_the_device_checks_of_the_fused_run_in_flight(read):
 
 
 @pytest.mark.usefixtures("adaptive")
-def test_joining_a_run_in_flight_keeps_storages_the_next_region_writes_pending():
+def test_joining_a_run_in_flight_keeps_storages_the_next_region_writes_pending(monkeypatch):
+    monkeypatch.setattr(torchneuron.config, "adaptive_overlap", True)
     x = _GX.to("neuron").requires_grad_()
     other = torch.ones(3).to("neuron")
 
@@ -719,9 +721,10 @@ def test_joining_a_run_in_flight_keeps_storages_the_next_region_writes_pending()
 
 
 @pytest.mark.usefixtures("adaptive")
-def test_an_overlapping_run_keeps_no_buffers_once_joined():
+def test_an_overlapping_run_keeps_no_buffers_once_joined(monkeypatch):
     import weakref
 
+    monkeypatch.setattr(torchneuron.config, "adaptive_overlap", True)
     from torchneuron.runtime import memory
 
     torch.manual_seed(0)

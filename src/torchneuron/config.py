@@ -79,7 +79,7 @@ class Config:
     adaptive_compile_budget: float = 0.1
     # Run a region's fused executable on a worker thread while the program records the next region
     # (its results are taken at the next cut or host read); False runs it at the cut.
-    adaptive_overlap: bool = True
+    adaptive_overlap: bool = False
     # torch.compile: an op without a lowering fails the compile, or the graph runs eagerly.
     compile_fallback: str = "error"
     # PyTorch's checks that depend on tensor values (index bounds, integer division by zero): read
