@@ -1,7 +1,5 @@
 """What reading device values one element at a time costs: ``x[i].item()`` in a loop, ``all(mask)``
-and ``for v in t: float(v)`` on neuron, against CPU PyTorch and against neuron without the host copy
-of the buffer that element reads share (``transfers.HOST_COPY_LIMIT = 0``: one device read per
-element, the earlier behaviour).
+and ``for v in t: float(v)`` on neuron, against CPU PyTorch.
 
 Timed side by side in one run, microseconds per element read (median of repeats):
 
@@ -18,7 +16,6 @@ import time
 import torch
 
 import torchneuron  # noqa: F401
-from torchneuron.runtime import transfers
 
 
 def _per_element_us(loop, x, n, repeats) -> float:
@@ -37,25 +34,19 @@ def main() -> None:
     args = parser.parse_args()
     n = args.elements
     print(f"load average {os.getloadavg()[0]:.1f}; {n} elements per loop; us per element read")
-    print(f"{'loop':26s} {'neuron':>9s} {'no copy':>9s} {'CPU':>9s} {'no copy/neuron':>15s} {'neuron/CPU':>11s}")
+    print(f"{'loop':26s} {'neuron':>9s} {'CPU':>9s} {'neuron/CPU':>11s}")
     loops = {
         "x[i].item()": lambda x: [x[i].item() for i in range(n)],
         "all(x > -1)": lambda x: all(x > -1),
         "for v in x: float(v)": lambda x: [float(v) for v in x],
     }
-    limit = transfers.HOST_COPY_LIMIT
     for name, loop in loops.items():
         cpu = torch.randn(n)
         dev = cpu.to("neuron")
         loop(dev)   # compiles the reads once
         t_neuron = _per_element_us(loop, dev, n, args.repeats)
-        transfers.HOST_COPY_LIMIT = 0
-        try:
-            t_old = _per_element_us(loop, dev, n, max(1, args.repeats // 2))
-        finally:
-            transfers.HOST_COPY_LIMIT = limit
         t_cpu = _per_element_us(loop, cpu, n, args.repeats)
-        print(f"{name:26s} {t_neuron:9.1f} {t_old:9.1f} {t_cpu:9.1f} {t_old / t_neuron:15.1f} {t_neuron / t_cpu:11.2f}")
+        print(f"{name:26s} {t_neuron:9.1f} {t_cpu:9.1f} {t_neuron / t_cpu:11.2f}")
 
 
 if __name__ == "__main__":

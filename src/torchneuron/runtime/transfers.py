@@ -92,10 +92,10 @@ def copy_to_host(t: torch.Tensor) -> np.ndarray:
 
 # ``.item()`` in a loop (``for v in t``, ``x[i].item()``, ``all(mask)``) reads many elements of one
 # device buffer. Buffers are immutable (a write gives its storage a new one), so the second read of
-# the same buffer copies all of it to the host once and later reads index that copy: one transfer
-# for the loop instead of one device op and one transfer per element. Buffers above this size
-# (bytes) are still read element by element.
-HOST_COPY_LIMIT = 64 << 20
+# the same buffer copies all of it to the host once and later reads index that copy (~6 us per
+# element instead of ~17 us for a device read). The copy owns its memory (it keeps no device buffer
+# alive) and only buffers up to this size (bytes) are copied; larger ones are read element by element.
+HOST_COPY_LIMIT = 4 << 20
 
 
 class _LastRead:
@@ -130,7 +130,7 @@ def read_element(t: torch.Tensor):
 
 
 def _copy_buffer(buf) -> np.ndarray:
-    host = np.asarray(buf)
+    host = np.array(buf, copy=True)   # owns its memory: the device buffer may be freed
     _report_checks()
     metrics.d2h_copies += 1
     metrics.d2h_bytes += host.nbytes
