@@ -4,6 +4,7 @@ of hanging, DataLoader fork workers on CPU data keep working, and Ctrl-C leaves 
 import _thread
 import gc
 import multiprocessing
+import signal
 import subprocess
 import sys
 import textwrap
@@ -134,6 +135,16 @@ def test_fork_before_the_runtime_started_and_a_normal_exit_after_it():
     out = proc.stdout
     assert "early child [2.0, 2.0]" in out and "early status 0" in out, out
     assert "late status 3" in out and "[4.0, 4.0, 4.0]" in out, out
+
+
+@pytest.fixture(autouse=True)
+def _python_handles_sigint():
+    """interrupt_main() does nothing while SIGINT is ignored or left to the OS: a test runner (or an
+    earlier test's subprocess machinery) may have set that, so these tests install Python's own
+    handler for their duration."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def _interrupt_after(seconds):
