@@ -41,6 +41,26 @@ def test_new_scalar_value_compiles_nothing():
     assert compiled() == before + 2  # mul_.Scalar and clamp_ once each, never per value
 
 
+def test_runtime_scalar_cache_keeps_taking_values_once_full(monkeypatch):
+    """A long run brings new scalar values every step (an optimizer's bias corrections, each used for
+    every parameter): once the bounded cache is full, the oldest value leaves and the new one is
+    cached, so the repeats within a step reuse one device array instead of each making its own."""
+    from torchneuron.runtime import values
+
+    monkeypatch.setattr(values, "_CACHED_VALUES", 8)
+    monkeypatch.setitem(values._scalar_arrays, float, {})
+    for i in range(20):
+        values.scalar_array(0.5 + i)
+    first = values.scalar_array(1234.25)
+    assert values.scalar_array(1234.25) is first
+    assert len(values._scalar_arrays[float]) == 8
+    assert float(first) == 1234.25
+    offsets_full = dict.fromkeys(range(values._CACHED_OFFSETS), None)
+    monkeypatch.setattr(values, "_offset_arrays", offsets_full)
+    assert values.offset_array(values._CACHED_OFFSETS + 7) is values.offset_array(values._CACHED_OFFSETS + 7)
+    assert len(values._offset_arrays) == values._CACHED_OFFSETS
+
+
 def test_new_shape_compiles_exactly_one():
     small, wide = torch.randn(3, 3, device="neuron"), torch.randn(6, 2, device="neuron")
     torch.relu(small)

@@ -38,8 +38,14 @@ def _new_scalar_array(v, table):
         arr = table.get(v)
         if arr is not None:
             return arr
-    if v != v or len(table) > _CACHED_VALUES:  # NaN never hits a dict; keep the cache bounded
+    if v != v:   # NaN never hits a dict
         return _weak_scalar(v)
+    if len(table) >= _CACHED_VALUES:
+        # Bounded, oldest value out first (dicts keep insertion order): a training loop brings new
+        # values every step (an optimizer's bias corrections, each used once per parameter), and
+        # a cache that stopped taking values once full would put every one of them on the device
+        # again for each parameter from then on.
+        del table[next(iter(table))]
     arr = table[v] = _weak_scalar(v)
     return arr
 
@@ -71,6 +77,7 @@ def offset_array(offset: int):
     arr = _offset_arrays.get(offset)
     if arr is None:
         arr = pjrt.put(np.asarray(offset, dtype=np.int64), 0, committed=False)
-        if len(_offset_arrays) < _CACHED_OFFSETS:
-            _offset_arrays[offset] = arr
+        if len(_offset_arrays) >= _CACHED_OFFSETS:
+            del _offset_arrays[next(iter(_offset_arrays))]   # oldest out, as for scalars
+        _offset_arrays[offset] = arr
     return arr
