@@ -33,7 +33,7 @@ from jax._src import config as jax_config
 
 from ..config import config, observe
 from ..metrics import metrics
-from ..ops import checks, cpu_dtypes
+from ..ops import checks, cpu_dtypes, devices
 from ..ops.registry import InvalidArguments, NotImplementedForDtype
 from ..ops.signature import (
     OPT_SCALAR,
@@ -47,7 +47,7 @@ from ..ops.signature import (
     read_input,
 )
 from ..runtime import deferred, executable_store, layout, memory, pjrt, rng, sites
-from ..runtime.device import current_device, device_mismatch_error
+from ..runtime.device import DeviceMismatch, current_device, device_mismatch_error
 from ..runtime.dtypes import device_dtype, dtype_name, jax_dtype, torch_dtype
 from ..runtime.values import offset_array, scalar_array
 from . import argument_checks, oracle
@@ -124,6 +124,8 @@ class Kernel(OpSignature):
         self.statics = tuple((i, str(args[i].type) not in _PLAIN_STATIC) for i in self.static)
         self.keys = []     # this kernel's cache keys, for the reason of the next compile
         self.argument_check = argument_checks.CHECKS.get(self.short_name)   # random ops only
+        # The index argument CUDA wants on the device even as a 0-dim CPU tensor (ops/devices.py).
+        self.device_index_arg = devices.device_index_argument(overload)
         Kernel.instances.append(self)
 
     # -- the hot path ---------------------------------------------------------------------------
@@ -146,20 +148,23 @@ class Kernel(OpSignature):
                 values[index_of[name]] = v
         ctx = _KeyContext()
         specs = []
-        for i, kind in self.inputs:
-            v = values[i]
-            if kind == TENSOR:
-                specs.append(ctx.tensor(v))
-            elif kind == SCALAR:
-                specs.append(ctx.scalar(v))
-            elif v is None:
-                specs.append(None)
-            elif kind == OPT_TENSOR:
-                specs.append(ctx.tensor(v))
-            elif kind == OPT_SCALAR:
-                specs.append(ctx.scalar(v))
-            else:
-                specs.append(tuple([None if t is None else ctx.tensor(t) for t in v]))
+        try:   # costs nothing unless raised (Python 3.11)
+            for i, kind in self.inputs:
+                v = values[i]
+                if kind == TENSOR:
+                    specs.append(ctx.tensor(v))
+                elif kind == SCALAR:
+                    specs.append(ctx.scalar(v))
+                elif v is None:
+                    specs.append(None)
+                elif kind == OPT_TENSOR:
+                    specs.append(ctx.tensor(v))
+                elif kind == OPT_SCALAR:
+                    specs.append(ctx.scalar(v))
+                else:
+                    specs.append(tuple([None if t is None else ctx.tensor(t) for t in v]))
+        except DeviceMismatch as err:
+            raise self.device_error(values, err.tensor, err.device_index) from None
         statics = tuple([_freeze(values[i]) if frozen else values[i] for i, frozen in self.statics])
         if ctx.device_index is None:   # no tensor inputs (factories): the device argument decides
             ctx.device_index = self.output_device(values)
@@ -207,6 +212,13 @@ class Kernel(OpSignature):
             exe.traced.report(results[k], sites.place(sys._getframe()))
         return self.returned(outs, values)
 
+    def device_error(self, values, t, device_index) -> RuntimeError:
+        """The error for argument ``t`` of this call, on another device than the op's."""
+        i = next(i for i, v in enumerate(values)
+                 if v is t or (isinstance(v, list | tuple) and any(x is t for x in v)))
+        return devices.mismatch_error(self.name, self.arg_names[i], t, device_index, i == self.device_index_arg,
+                                      _describe(values))
+
     def output_device(self, values) -> int:
         """The device of an op without tensor inputs (factories): its ``device`` argument, else the
         current device."""
@@ -227,6 +239,10 @@ class Kernel(OpSignature):
 
     def _plan(self, values, specs, ctx):
         """Shapes, dtypes and the traced body of this call's executable (not compiled yet)."""
+        if self.device_index_arg is not None:
+            index = values[self.device_index_arg]
+            if isinstance(index, torch.Tensor) and index.device.type == "cpu":   # a 0-dim one
+                raise self.device_error(values, index, ctx.device_index)
         meta_out = self._run_meta(values)
         # After PyTorch's meta checks, as on CPU (shape errors first, then the kernel's dtypes).
         cpu_dtypes.check(self, values, _describe)

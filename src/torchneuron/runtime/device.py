@@ -70,12 +70,21 @@ def current_device() -> int:
     return getattr(_state, "index", 0)
 
 
+class DeviceMismatch(RuntimeError):
+    """A tensor argument on another device than the op's; ``tensor`` is that argument (an op's
+    kernel adds its name and the argument's, ``ops.devices.mismatch_error``)."""
+
+    def __init__(self, message: str, tensor: torch.Tensor, device_index: int):
+        super().__init__(message)
+        self.tensor = tensor
+        self.device_index = device_index
+
+
 def device_mismatch_error(other: torch.Tensor, device_index: int) -> RuntimeError:
     # Same text as PyTorch's CUDA check, so users recognise it.
-    return RuntimeError(
+    return DeviceMismatch(
         "Expected all tensors to be on the same device, but found at least two devices, "
-        f"neuron:{device_index} and {other.device}!"
-    )
+        f"neuron:{device_index} and {other.device}!", other, device_index)
 
 
 def set_device(device) -> None:

@@ -1,0 +1,74 @@
+"""Where an op's index and mask arguments may live: PyTorch's CUDA rule, which neuron follows.
+
+An accelerator op refuses CPU tensors among its arguments, except 0-dim ones where ATen takes them
+as scalar operands. Index tensors are a case users meet when they migrate (``x[idx]`` with ``idx``
+left on the CPU). What CUDA does, per op (ATen's sources and PyTorch's tests):
+
+* accepted, moved to the device by the op: the ``indices`` of ``index`` (``x[idx]``), ``index_put``,
+  ``index_put_`` and ``_index_put_impl_`` (``x[idx] = v``), masks included -- ``index``'s meta
+  function allows "indices ... either on cpu or on the same device as the indexed tensor", and
+  ``make_info``/``computeLinearIndex`` move them (test_indexing.py ``test_cpu_indices``,
+  ``test_index_put_src_datatype``). The value of ``index_put_`` may be on the CPU only when 0-dim
+  (``test_invalid_device``). ``eager/host_ops.py`` does the move on neuron, as a counted
+  host->device copy.
+* refused, a 0-dim CPU index included: ``DEVICE_INDEX`` below. ``index_fill_`` runs a
+  TensorIterator over the index restrided to ``self``'s rank (never a CPU scalar there);
+  ``index_copy``'s meta check, ``take``'s and ``put_``'s checks ("self, index and ... expected to be
+  in the same device"), ``masked_fill_``'s ("expected self and mask to be on the same device"),
+  ``index_select``'s ("Input, output and indices must be on the current device"), and the device
+  check of the generated CUDA wrappers (``index_add``, ``index_reduce``, ``gather``, ``scatter*``:
+  test_indexing.py ``test_gather_take_along_dim_cross_device``).
+
+The refusal names the op, the argument, both devices and the way out. torch.compile graphs need no
+table: Dynamo's fake tensors apply PyTorch's device rules before a graph reaches the backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Op (schema name without the in-place underscore) -> its index or mask argument, which CUDA
+# requires on the op's device even when it is a 0-dim tensor.
+DEVICE_INDEX = {
+    "index_fill": "index",
+    "index_add": "index",
+    "index_copy": "index",
+    "index_reduce": "index",
+    "index_select": "index",
+    "gather": "index",
+    "scatter": "index",
+    "scatter_add": "index",
+    "scatter_reduce": "index",
+    "masked_fill": "mask",
+    "take": "index",
+    "put": "index",
+}
+
+# The ops that take index tensors (and masks) on the CPU, for the refusal's hint.
+HOST_INDEX_OPS = "x[idx], x[idx] = v, index_put_ and index_put"
+
+
+def device_index_argument(overload) -> int | None:
+    """Position of the argument of ``overload`` that ``DEVICE_INDEX`` names, or None."""
+    name = overload._schema.name.split("::", 1)[-1]
+    if name.endswith("_") and not name.endswith("__"):
+        name = name[:-1]
+    arg = DEVICE_INDEX.get(name)
+    if arg is None:
+        return None
+    return next((i for i, a in enumerate(overload._schema.arguments) if a.name == arg), None)
+
+
+def mismatch_error(op_name: str, arg_name: str, t: torch.Tensor, device_index: int, index_arg: bool,
+                   describe: str) -> RuntimeError:
+    """The error for argument ``arg_name`` of ``op_name`` living on ``t.device`` while the op runs on
+    neuron:``device_index``: PyTorch's CUDA text, then what torchneuron knows and the way out."""
+    target = f"neuron:{device_index}"
+    message = ("Expected all tensors to be on the same device, but found at least two devices, "
+               f"{target} and {t.device}! (when checking argument for argument {arg_name} in method "
+               f"{op_name})\n[torchneuron] in {op_name}{describe}: move '{arg_name}' to the op's device "
+               f"first ({arg_name}.to('{target}')).")
+    if index_arg and t.device.type == "cpu":
+        message += (f" As on CUDA, {op_name} takes its {arg_name} only on the device; index tensors and "
+                    f"masks may stay on the CPU for {HOST_INDEX_OPS} only.")
+    return RuntimeError(message)
