@@ -17,10 +17,22 @@ from ..runtime import memory, transfers
 _SDP_MATH = int(torch._C._SDPBackend.MATH)
 
 
+def _device_tensor(host: np.ndarray, dtype: torch.dtype, device_index: int) -> torch.Tensor:
+    """A new neuron tensor holding ``host``: one counted host->device copy. Unlike ``.to(device)``
+    (a copy_ into a storage a pending adaptive region might write), it leaves that region pending."""
+    arr = transfers.upload(np.ascontiguousarray(host).reshape(-1), device_index)
+    return memory.new_buffer_tensor(arr, dtype, device_index, host.shape, memory.contiguous_strides(host.shape))
+
+
 def _upload_int64(positions: np.ndarray, device_index: int) -> torch.Tensor:
-    arr = transfers.upload(np.ascontiguousarray(positions, dtype=np.int64).reshape(-1), device_index)
-    return memory.new_buffer_tensor(arr, torch.int64, device_index, positions.shape,
-                                    memory.contiguous_strides(positions.shape))
+    return _device_tensor(positions.astype(np.int64, copy=False), torch.int64, device_index)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An index, mask or 0-d value on ``device``, as ATen's indexing moves it there."""
+    if t.device.type == "cpu":
+        return _device_tensor(transfers.host_array(t), t.dtype, device.index or 0)
+    return t.to(device)
 
 
 def nonzero(self: torch.Tensor) -> torch.Tensor:
@@ -49,7 +61,7 @@ def _device_indices(self, indices):
                                           self.device.index or 0)
             out.extend(positions[:, d] for d in range(idx.dim()))
         elif idx.device.type != "neuron" and idx.dim():
-            out.append(idx.to(self.device))   # a 0-d CPU index is a runtime scalar already
+            out.append(_to_device(idx, self.device))   # a 0-d CPU index is a runtime scalar already
         else:
             out.append(idx)
     return out
@@ -72,13 +84,14 @@ def make_index(kernel):
 def make_index_put(kernel, masked_fill_kernel):
     def index_put(self, indices, values, accumulate=False, *rest):
         if values.device != self.device and values.dim() == 0:
-            values = values.to(self.device)   # as ATen's index_put_: a 0-d value may live anywhere
+            # As ATen's index_put_: a 0-d value may live anywhere.
+            values = _to_device(values, self.device)
         if _needs_host_work(indices):
             masks = [i for i in indices if i is not None]
             # x[mask] = scalar-like: a select, no host round trip.
             if (len(masks) == 1 and indices[0] is not None and not accumulate and values.numel() == 1
                     and masks[0].dtype == torch.bool and masks[0].dim() <= self.dim()):
-                mask = masks[0].to(self.device)
+                mask = _to_device(masks[0], self.device)
                 mask = mask.reshape(tuple(mask.shape) + (1,) * (self.dim() - mask.dim()))
                 return masked_fill_kernel(self, mask, values.reshape(()))
             indices = _device_indices(self, indices)
