@@ -138,3 +138,10 @@ def test_other_device_mismatches_name_the_op_and_the_argument():
         torch.ones(3, device="neuron") + torch.ones(3)
     # A 0-dim CPU tensor is still a scalar operand where CUDA takes one.
     assert_same(torch.ones(3, device="neuron") * torch.tensor(2.0), torch.full((3,), 2.0))
+
+
+def test_compiled_graphs_refuse_a_0d_cpu_index_as_eager_mode_does():
+    # Dynamo's fake tensors refuse CPU index tensors with elements, but take 0-dim ones as CPU scalars.
+    compiled = torch.compile(lambda x, i: x.index_select(0, i) * 2, backend="neuron")
+    with pytest.raises(Exception, match=r"argument index in method aten::index_select\)\n.*index.to\('neuron:0'\)"):
+        compiled(_X.to("neuron"), torch.tensor(1))

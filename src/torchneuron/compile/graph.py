@@ -32,6 +32,7 @@ import torch
 
 from ..config import config
 from ..metrics import metrics
+from ..ops import devices
 from ..ops.signature import registry_name, signature_for
 from ..runtime import deferred, memory, rng, sites, transfers
 from ..runtime.device import current_device
@@ -128,6 +129,7 @@ class GraphProgram:
                 continue
             sig = signature_for(target, config.platform)
             if sig is not None:
+                devices.check_graph_node(sig, node)   # CPU index arguments, as in eager mode
                 steps.append(Step(node, "index_put" if name in _INDEX_PUT else "op", sig))
                 continue
             if name is not None and name.startswith("_foreach_"):

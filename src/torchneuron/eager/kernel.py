@@ -124,8 +124,6 @@ class Kernel(OpSignature):
         self.statics = tuple((i, str(args[i].type) not in _PLAIN_STATIC) for i in self.static)
         self.keys = []     # this kernel's cache keys, for the reason of the next compile
         self.argument_check = argument_checks.CHECKS.get(self.short_name)   # random ops only
-        # The index argument CUDA wants on the device even as a 0-dim CPU tensor (ops/devices.py).
-        self.device_index_arg = devices.device_index_argument(overload)
         Kernel.instances.append(self)
 
     # -- the hot path ---------------------------------------------------------------------------

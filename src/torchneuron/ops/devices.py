@@ -19,8 +19,9 @@ left on the CPU). What CUDA does, per op (ATen's sources and PyTorch's tests):
   check of the generated CUDA wrappers (``index_add``, ``index_reduce``, ``gather``, ``scatter*``:
   test_indexing.py ``test_gather_take_along_dim_cross_device``).
 
-The refusal names the op, the argument, both devices and the way out. torch.compile graphs need no
-table: Dynamo's fake tensors apply PyTorch's device rules before a graph reaches the backend.
+The refusal names the op, the argument, both devices and the way out. Eager kernels apply the rule
+once per cache entry; torch.compile graphs once per graph (``check_graph_node``): Dynamo's fake
+tensors refuse CPU index tensors with elements already, but take 0-dim ones as CPU scalars.
 """
 
 from __future__ import annotations
@@ -72,3 +73,23 @@ def mismatch_error(op_name: str, arg_name: str, t: torch.Tensor, device_index: i
         message += (f" As on CUDA, {op_name} takes its {arg_name} only on the device; index tensors and "
                     f"masks may stay on the CPU for {HOST_INDEX_OPS} only.")
     return RuntimeError(message)
+
+
+def check_graph_node(sig, node) -> None:
+    """The rule for one op node of a torch.compile graph, from its arguments' fake tensors."""
+    i = sig.device_index_arg
+    if i is None:
+        return
+    values = sig.bind(node.args, node.kwargs)
+    index = _fake(values[i])
+    if index is None or index.device.type != "cpu":
+        return
+    device_index = next((v.device.index or 0 for v in map(_fake, values)
+                         if v is not None and v.device.type == "neuron"), 0)
+    raise mismatch_error(sig.name, sig.arg_names[i], index, device_index, True,
+                         f" (graph node {node.name})")
+
+
+def _fake(v):
+    val = getattr(v, "meta", {}).get("val")
+    return val if isinstance(val, torch.Tensor) else None

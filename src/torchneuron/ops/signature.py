@@ -26,7 +26,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 
 from ..runtime import layout
 from ..runtime.dtypes import device_dtype, dtype_name, jax_dtype
-from . import registry
+from . import devices, registry
 from .registry import Lowering
 
 # An argument with no default value, not yet bound.
@@ -192,6 +192,8 @@ class OpSignature:
                 self.return_sources.append(None)
         self.new_outputs = sum(1 for s in self.return_sources if s is None)
         self.returns_list = len(schema.returns) == 1 and str(schema.returns[0].type) == "List[Tensor]"
+        # The index argument CUDA wants on the device even as a 0-dim CPU tensor (ops/devices.py).
+        self.device_index_arg = devices.device_index_argument(overload)
         self.same_dtype = None
         if lowering is not None and lowering.same_dtype is not None:
             a, b, message = lowering.same_dtype
