@@ -808,3 +808,38 @@ def test_cholesky_info_names_the_first_failing_leading_minor():
             got = torch.linalg.cholesky_ex(m.to("neuron"), upper=upper).info.cpu()
             assert got.tolist() == expected.tolist()
     assert torch.linalg.cholesky_ex(a).info.tolist()[1] == 0
+
+
+# TestTorchDeviceType.test_index_fill_mem_overlap and its kin: an index op writing a tensor that is
+# also its index (or source) ran on neuron, where CPU refuses it; elementwise ops on the very same
+# view (x.add_(x)) stay accepted, as on CPU.
+_ALIASED_WRITES = {
+    "index_fill_": lambda d: (lambda i: i.index_fill_(0, i, 0))(torch.tensor([0, 1, 2], device=d)),
+    "index_copy_": lambda d: (lambda i: i.index_copy_(0, i, torch.tensor([5, 6, 7], device=d)))(
+        torch.tensor([0, 1, 2], device=d)),
+    "index_add_": lambda d: (lambda i: i.index_add_(0, i, torch.tensor([5, 6, 7], device=d)))(
+        torch.tensor([0, 1, 2], device=d)),
+    "scatter_": lambda d: (lambda i: i.scatter_(0, i, 1))(torch.tensor([0, 1, 2], device=d)),
+    "put_": lambda d: (lambda i: i.put_(i, torch.tensor([5, 6, 7], device=d)))(torch.tensor([0, 1, 2], device=d)),
+    "index_put_": lambda d: (lambda i: i.index_put_((i,), torch.tensor([5, 6, 7], device=d)))(
+        torch.tensor([0, 1, 2], device=d)),
+    "index_put_ values a view of self": lambda d: (lambda x: x.index_put_((torch.tensor([0, 1], device=d),), x[1:3]))(
+        torch.arange(4.0, device=d)),
+}
+
+
+@pytest.mark.parametrize("name", list(_ALIASED_WRITES))
+def test_index_ops_refuse_writing_their_own_index_or_source_like_cpu(name):
+    case = _ALIASED_WRITES[name]
+    expected = _error(case, "cpu")
+    assert expected is not None and expected.startswith("unsupported operation")
+    assert _error(case, "neuron") == expected
+
+
+@pytest.mark.parametrize("op", ["add_", "mul_", "copy_"])
+def test_elementwise_ops_on_the_very_same_view_still_run(op):
+    x = torch.arange(1.0, 4.0)
+    n = x.to("neuron")
+    getattr(x, op)(x)
+    getattr(n, op)(n)
+    assert torch.equal(n.cpu(), x)

@@ -318,8 +318,12 @@ class Kernel(OpSignature):
                 raise self._cpu_error(values) or RuntimeError(
                     f"result type {dtype_name(result.dtype)} can't be cast to the desired output type "
                     f"{dtype_name(target.dtype)}\n[torchneuron] in {self.name}{_describe(values)}")
-        tensors = [v for v in values if isinstance(v, torch.Tensor)]
-        if oracle.may_overlap(mutated, tensors):
+        # The other tensor arguments (list elements included: index_put_'s indices); the written
+        # tensor itself is not "another" argument, but the same tensor passed again is.
+        written = {i for i in self.mutated}
+        others = [t for i, v in enumerate(values) if i not in written
+                  for t in (v if isinstance(v, list | tuple) else (v,)) if isinstance(t, torch.Tensor)]
+        if oracle.may_overlap(mutated, others):
             err = self._cpu_error(values)
             if err is not None and str(err).startswith(oracle.OVERLAP):
                 raise err

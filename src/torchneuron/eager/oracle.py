@@ -106,19 +106,17 @@ def too_large(values) -> bool:
     return total > REPLAY_LIMIT_BYTES
 
 
-def may_overlap(mutated, tensors) -> bool:
+def may_overlap(mutated, others) -> bool:
     """Whether a written tensor overlaps itself (an expanded view) or shares its storage with
-    another argument in a way that is not the very same view: what only the CPU kernels check."""
+    another argument (``others``), the very same view included: what only the CPU kernels check.
+    Elementwise ops accept ``x.add_(x)``, index ops refuse ``i.index_fill_(0, i, 0)``: CPU decides."""
     for t in mutated:
         if t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:
             return True
     for t in mutated:
         ptr = t.untyped_storage().data_ptr()
-        layout = (t.shape, t.stride(), t.storage_offset(), t.dtype)
-        for other in tensors:
-            if other is t or other.device != t.device or other.untyped_storage().data_ptr() != ptr:
-                continue
-            if (other.shape, other.stride(), other.storage_offset(), other.dtype) != layout:
+        for other in others:
+            if other.device == t.device and other.untyped_storage().data_ptr() == ptr:
                 return True
     return False
 
