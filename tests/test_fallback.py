@@ -1,5 +1,6 @@
 """Ops without a lowering: decomposition first, else CPU fallback (counted, warned once), or an error."""
 
+import sys
 import warnings
 
 import pytest
@@ -30,6 +31,27 @@ def test_cpu_fallback_runs_counts_and_warns_once(monkeypatch):
     fallback_warnings = [w for w in caught if "not lowered for neuron" in str(w.message)]
     assert len(fallback_warnings) == 1 and "torchneuron_test::cpu_only" in str(fallback_warnings[0].message)
     assert torchneuron.metrics()["fallbacks"] == {"torchneuron_test::cpu_only": 2}
+
+
+def test_torchneuron_warnings_point_at_the_users_line(monkeypatch):
+    """The fallback and float64 warnings name the line of the user's code that called the op, not
+    a line of torch (torch._ops) or of torchneuron's wrapper of torch.zeros (runtime/pinned.py)."""
+    from torchneuron.runtime import dtypes
+
+    monkeypatch.setattr(fallback, "_warned", set())
+    monkeypatch.setattr(dtypes, "_warned_float64", set())
+    n = torch.tensor([0.5, 1.5]).to("neuron")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line_fallback = sys._getframe().f_lineno + 1
+        _no_lowering_op(n)
+        line_float64 = sys._getframe().f_lineno + 1
+        torch.zeros(2, dtype=torch.float64, device="neuron")
+    where = {("fallback" if "not lowered" in str(w.message) else "float64"): (w.filename, w.lineno)
+             for w in caught if "torchneuron:" in str(w.message)}
+    # The fallback runs inside _no_lowering_op (this file's helper): its line is the user's line.
+    assert where["fallback"][0] == __file__ and where["fallback"][1] in (line_fallback, _no_lowering_op.__code__.co_firstlineno + 1)
+    assert where["float64"] == (__file__, line_float64)
 
 
 def test_fallback_in_place_effects_reach_the_device_tensor():

@@ -8,10 +8,7 @@ copied back, and the op is counted and warned about once (``TORCHNEURON_FALLBACK
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
-import warnings
 
 import torch
 from torch._decomp import decomposition_table
@@ -20,7 +17,7 @@ from torch.utils._pytree import tree_map
 from ..config import config
 from ..metrics import metrics, op_key
 from ..ops.signature import OpSignature, functional_of, out_names
-from ..runtime import memory
+from ..runtime import memory, sites
 from ..runtime.device import current_device
 from .kernel import describe_args
 from .out_variants import check_out_devices, write_out
@@ -44,18 +41,6 @@ _KEEP_OUT_SHAPE = {
     "aten::arange.out": torch.ops.aten.arange.default,
     "aten::arange.start_out": torch.ops.aten.arange.start_step,
 }
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def _caller_stacklevel() -> int:
-    """warnings.warn's stacklevel for the first frame outside torchneuron (the op's caller), however
-    many torchneuron frames (fallback entry, tracer) lie in between."""
-    frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 class FallbackError(RuntimeError):
@@ -179,11 +164,11 @@ def _keep_out_shape(op, args, kwargs):
         value = value.reshape(out.shape)
     elif out.shape != value.shape:
         if out.numel() and op.name().startswith("aten::arange"):
-            warnings.warn(
+            sites.warn(
                 f"The number of elements in the out tensor of shape {list(out.shape)} is {out.numel()} "
                 f"which does not match the computed number of elements {value.numel()}. Note that this "
                 "may occur as a result of rounding error. The out tensor will be resized to a tensor of "
-                f"shape ({value.numel()},).", stacklevel=_caller_stacklevel())
+                f"shape ({value.numel()},).")
         out.resize_(value.shape)
     write_out(out, value, op.name())
     return out
@@ -203,11 +188,9 @@ def cpu_fallback(op, args, kwargs):
     memory.flush_pending("fallback")  # the CPU kernel needs the values of everything recorded so far
     if config.fallback == "warn" and short not in _warned:
         _warned.add(short)
-        warnings.warn(
+        sites.warn(
             f"torchneuron: {name} is not lowered for neuron; it runs on CPU (inputs copied to host "
-            "and results back). Set TORCHNEURON_FALLBACK=error to make this an error, or =silent.",
-            stacklevel=_caller_stacklevel(),
-        )
+            "and results back). Set TORCHNEURON_FALLBACK=error to make this an error, or =silent.")
     device = _device_of(args, kwargs)
     _check_written_devices(op, args, kwargs, device)
     originals = {}

@@ -242,7 +242,11 @@ class Kernel(OpSignature):
             if isinstance(index, torch.Tensor) and index.device.type == "cpu":   # a 0-dim one
                 raise self.device_error(values, index, ctx.device_index)
         meta_out = self._run_meta(values)
-        # After PyTorch's meta checks, as on CPU (shape errors first, then the kernel's dtypes).
+        # Then what CPU checks as it builds the op (the written tensors: devices, casting, overlaps),
+        # then the kernel's dtypes: x[:-1] <<= x[1:] on floats is an overlap error first.
+        mutated = self.mutated_tensors(values)
+        if mutated:
+            self._check_writes(values, [t for _, _, t in mutated], ctx)
         cpu_dtypes.check(self, values, _describe)
         try:
             self.check_dtypes(values)
@@ -263,9 +267,6 @@ class Kernel(OpSignature):
             out_specs.append((dtype, sizes, strides))
         # Buffers written by this op: each mutated argument's view, by its position among the
         # inputs (None for a tensor without elements: nothing to write).
-        mutated = self.mutated_tensors(values)
-        if mutated:
-            self._check_writes(values, [t for _, _, t in mutated], ctx)
         positions = self._input_positions(specs)
         write_targets = [positions.get((i, pos)) for i, pos, _ in mutated]
         writes = tuple(dict.fromkeys(target[1][4] for target in write_targets if target is not None))

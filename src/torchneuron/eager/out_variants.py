@@ -8,11 +8,10 @@ pay one set lookup. Out tensors on another device are refused, as on CUDA.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from ..ops.signature import OpSignature, out_names
+from ..runtime import sites
 from ..runtime.device import device_mismatch_error
 from ..runtime.dtypes import dtype_name
 from . import oracle
@@ -75,12 +74,12 @@ def check_out_devices(outs, device) -> None:
 def write_out(out: torch.Tensor, value: torch.Tensor, op_name: str, cast_checked: bool = False) -> None:
     if out.shape != value.shape:
         if out.numel() != 0:
-            warnings.warn(
+            sites.warn(
                 f"An output with one or more elements was resized since it had shape {list(out.shape)}, "
                 f"which does not match the required output shape {list(value.shape)}. This behavior is "
                 "deprecated, and in a future PyTorch release outputs will not be resized unless they "
                 "have zero elements. You can explicitly reuse an out tensor t by resizing it, inplace, "
-                "to zero elements with t.resize_(0).", stacklevel=3)
+                "to zero elements with t.resize_(0).")
         if out.dtype == value.dtype:
             _swap_storage(out, value)
             return

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +11,7 @@ import torch
 
 from ..config import config
 from ..metrics import metrics
+from . import sites
 
 _TORCH_TO_JAX = {
     torch.bool: jnp.bool_, torch.uint8: jnp.uint8, torch.int8: jnp.int8, torch.int16: jnp.int16,
@@ -90,9 +90,7 @@ def device_dtype(dtype: torch.dtype, op_name: str) -> torch.dtype:
         metrics.tracer.float64(op_name)
     if op_name not in _warned_float64:
         _warned_float64.add(op_name)
-        warnings.warn(
+        sites.warn(
             f"torchneuron: {op_name} produced {dtype}; the neuron device runs it as {narrow} "
-            "(set TORCHNEURON_FLOAT64=keep to keep 64-bit floats, or =error to make this an error).",
-            stacklevel=3,
-        )
+            "(set TORCHNEURON_FLOAT64=keep to keep 64-bit floats, or =error to make this an error).")
     return narrow

@@ -7,6 +7,7 @@ import os
 import sys
 import sysconfig
 import threading
+import warnings
 
 _packages: tuple[str, ...] | None = None
 _stdlib: tuple[str, ...] = ()
@@ -119,3 +120,14 @@ def format_site(site: dict | None, *, function: bool = True, missing: str = "(no
     if site.get("via"):
         text += f" ({site['via']})"
     return text
+
+
+def warn(message: str, category: type = UserWarning) -> None:
+    """``warnings.warn`` at the user's line: the first frame outside torch, torchneuron, jax and the
+    standard library (a warning from inside ``torch.zeros`` or an op's kernel would otherwise show,
+    and be filtered once, at a line of torch or torchneuron). A thread without such a frame (the
+    autograd engine's) warns at its caller's line."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and internal(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
