@@ -28,7 +28,10 @@ def _default_cache_dir() -> str:
 
 
 # Integer settings and their smallest value.
-_MINIMUM = {"adaptive_max_ops": 1, "adaptive_segment_ops": 1, "adaptive_compile_after": 1}
+_MINIMUM = {"adaptive_max_ops": 1, "adaptive_segment_ops": 1, "adaptive_compile_after": 1,
+            "cpu_intra_op_threads": 1}
+# Integer settings that also accept "auto" (torchneuron picks the value).
+_AUTO = {"cpu_intra_op_threads"}
 # Real-valued settings and their smallest value.
 _FLOAT_MINIMUM = {"adaptive_compile_budget": 0.0}
 # Settings that are on or off.
@@ -93,6 +96,10 @@ class Config:
     # CPU platform: hand each execution to XLA's thread pool (True) or run it on the calling thread
     # (False, about half the CPU time of a small eager op). Read when the CPU client starts.
     cpu_async_dispatch: bool = False
+    # CPU platform: threads in XLA's intra-op pool (the one a large matmul or convolution splits
+    # across), or "auto": one less than the cores this process may use, at least 1 (the thread that
+    # dispatches ops keeps a core to itself). Read when the CPU client starts.
+    cpu_intra_op_threads: int | str = "auto"
 
     def __setattr__(self, name, value):
         value = _validated(name, value)
@@ -121,8 +128,10 @@ class Config:
             if raw is None:
                 continue
             value = raw
-            if f.name in _MINIMUM or f.name in _FLOAT_MINIMUM:
-                kind, what = (int, "an integer") if f.name in _MINIMUM else (float, "a number")
+            if f.name in _AUTO and raw.strip().lower() == "auto":
+                value = "auto"
+            elif f.name in _MINIMUM or f.name in _FLOAT_MINIMUM:
+                kind, what = (int, _INTEGER.get(f.name, "an integer")) if f.name in _MINIMUM else (float, "a number")
                 try:
                     value = kind(raw.strip())
                 except ValueError:
@@ -139,6 +148,7 @@ class Config:
 
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_INTEGER = {name: "an integer or 'auto'" for name in _AUTO}
 
 
 def _validated(name: str, value):
@@ -160,9 +170,11 @@ def _validated(name: str, value):
         if not value >= _FLOAT_MINIMUM[name]:
             raise ValueError(f"torchneuron: {where} must be at least {_FLOAT_MINIMUM[name]}, got {value}")
         return float(value)
+    if name in _AUTO and isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
     if name in _MINIMUM:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"torchneuron: {where} must be an integer, got {value!r}")
+            raise TypeError(f"torchneuron: {where} must be {_INTEGER.get(name, 'an integer')}, got {value!r}")
         if value < _MINIMUM[name]:
             raise ValueError(f"torchneuron: {where} must be at least {_MINIMUM[name]}, got {value}")
         return value

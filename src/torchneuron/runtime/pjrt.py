@@ -40,6 +40,81 @@ def _apply_async_dispatch(value: bool) -> None:
 
 observe("cpu_async_dispatch", _apply_async_dispatch)
 
+# XLA's CPU client sizes its intra-op (Eigen) thread pool from NPROC when it starts, else from the
+# cores it may use. On a machine with few cores the Python thread that dispatches every op competes
+# with that pool; leaving it a core of its own made eager steps and small fused executables faster
+# and large compiled graphs no slower (docs/performance.md).
+_NPROC = "NPROC"
+_pool_started_with = None   # the setting the CPU client started with; _BEFORE_US: started by JAX first
+_BEFORE_US = object()
+_pool_warned = False
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # pragma: no cover - platforms without affinity masks
+        return os.cpu_count() or 1
+
+
+def intra_op_threads(setting) -> int | None:
+    """Threads for XLA's CPU intra-op pool under ``setting`` (``config.cpu_intra_op_threads``);
+    None leaves the choice to XLA: "auto" when the user set NPROC themselves."""
+    if setting != "auto":
+        return setting
+    if os.environ.get(_NPROC, "").strip():
+        return None
+    return max(1, _cores() - 1)
+
+
+def _start_cpu_client(factory):
+    """``factory`` with NPROC set to the configured pool size while it runs, and restored (or removed)
+    right after, so processes the program starts later see the user's environment."""
+    @functools.wraps(factory)
+    def start(*args, **kwargs):
+        global _pool_started_with
+        setting = config.cpu_intra_op_threads
+        threads = intra_op_threads(setting)
+        before = os.environ.get(_NPROC)
+        if threads is not None:
+            os.environ[_NPROC] = str(threads)
+        try:
+            client = factory(*args, **kwargs)
+        finally:
+            if before is None:
+                os.environ.pop(_NPROC, None)
+            else:
+                os.environ[_NPROC] = before
+        _pool_started_with = setting
+        return client
+    return start
+
+
+def _intra_op_threads_changed(value) -> None:
+    """A setting the CPU client can no longer follow (it started already) is one warning."""
+    global _pool_warned
+    if _pool_warned or _pool_started_with is None or value == _pool_started_with:
+        return
+    if _pool_started_with is _BEFORE_US:
+        if value == "auto":
+            return
+        why = ("JAX created its CPU client before torchneuron was imported; import torch before using "
+               "JAX, or")
+    else:
+        why = "the CPU client started already (at the first neuron operation);"
+    _pool_warned = True
+    warnings.warn(
+        f"torchneuron: config.cpu_intra_op_threads={value!r} has no effect in this process: {why} set "
+        f"TORCHNEURON_CPU_INTRA_OP_THREADS before the process starts", stacklevel=3)
+
+
+_cpu_registration = xla_bridge._backend_factories.get("cpu")
+if _cpu_registration is not None:   # a jax without the CPU factory keeps XLA's own pool size
+    _cpu_registration.factory = _start_cpu_client(_cpu_registration.factory)
+if "cpu" in xla_bridge._backends:   # the program used JAX before torchneuron: its pool stays
+    _pool_started_with = _BEFORE_US
+observe("cpu_intra_op_threads", _intra_op_threads_changed)
+
 # Which package provides each PJRT platform, for the error a user sees when it is missing.
 _PLUGINS = {
     "cpu": "jax[cpu] (bundled with jaxlib)",
