@@ -103,11 +103,13 @@ class Config:
 
     def __setattr__(self, name, value):
         value = _validated(name, value)
-        check = _GUARDS.get(name)
+        # Guards and observers act for the live settings only, not a Config built to read or compare.
+        live = self is globals().get("config")
+        check = _GUARDS.get(name) if live else None
         if check is not None and name in self.__dict__ and value != self.__dict__[name]:
             check(self.__dict__[name], value)
         super().__setattr__(name, value)
-        observer = _OBSERVERS.get(name)
+        observer = _OBSERVERS.get(name) if live else None
         if observer is not None:
             observer(value)
 
