@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 import torchneuron
 from torchneuron.eager import adaptive
+from torchneuron.runtime import pjrt
 
 sys.path.insert(0, os.path.dirname(__file__))
 from compile import GPT  # noqa: E402  (the shared GPT-style model)
@@ -349,7 +350,8 @@ def main():
         first_steps_child(*args.child, args)
         return
     print(f"load average at start: {os.getloadavg()[0]:.1f}; CPU eager threads {torch.get_num_threads()}, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, XLA CPU pool threads "
+          f"{pjrt.describe_intra_op_pool()}")
     print("ratios are speed-ups of adaptive (higher is better)")
     if args.recording:
         recording_cost(args)

@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchneuron
+from torchneuron.runtime import pjrt
 
 
 class Block(nn.Module):
@@ -206,7 +207,7 @@ def main():
     print(f"GPT: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, seq {args.seq}, "
           f"batch {args.batch}, vocab {args.vocab}; torch {torch.__version__}, torchneuron "
           f"{torchneuron.__version__}, jax {__import__('jax').__version__}, torch threads "
-          f"{torch.get_num_threads()}")
+          f"{torch.get_num_threads()}, XLA CPU pool threads {pjrt.describe_intra_op_pool()}")
     if not args.only_cold_warm:
         cfgs = configs(args)
         results = {}

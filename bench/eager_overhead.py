@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import torch
 
 import torchneuron
+from torchneuron.runtime import pjrt
 
 _STAT = statistics.median
 
@@ -85,7 +86,8 @@ def measure(cpu_args, torch_fn, jax_fn, calls, repeats):
 
 def run(calls, repeats):
     rows = [(case[0], *measure(*case[1:], calls, repeats)) for case in cases()]
-    print(f"CPU async dispatch: {torchneuron.config.cpu_async_dispatch}; load average "
+    print(f"CPU async dispatch: {torchneuron.config.cpu_async_dispatch}; XLA CPU pool threads "
+          f"{pjrt.describe_intra_op_pool()}; load average "
           f"{os.getloadavg()[0]:.1f}")
     print(f"{'op':27} {'neuron us':>10} {'cpu us':>8} {'jax us':>8} {'neuron/cpu':>11} {'overhead us':>12}"
           f"   {'(CPU time:':>10} {'neuron':>7} {'jax':>6} {'overhead)':>9}")

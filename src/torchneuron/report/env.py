@@ -10,7 +10,7 @@ import sys
 import time
 
 # Environment variables that change what runs or how it is compiled.
-_ENV_PREFIXES = ("TORCHNEURON_", "XLA_", "JAX_", "PJRT_", "NEURON_", "TORCH_", "PYTORCH_", "OMP_NUM_THREADS",
+_ENV_PREFIXES = ("TORCHNEURON_", "XLA_", "JAX_", "PJRT_", "NEURON_", "TORCH_", "PYTORCH_", "OMP_NUM_THREADS", "NPROC",
                  "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 
 

@@ -67,6 +67,15 @@ def intra_op_threads(setting) -> int | None:
     return max(1, _cores() - 1)
 
 
+def describe_intra_op_pool() -> str:
+    """The CPU intra-op pool size under the current setting, in words (benchmarks print it)."""
+    setting = config.cpu_intra_op_threads
+    threads = intra_op_threads(setting)
+    if threads is None:
+        return f"NPROC={os.environ[_NPROC]} (set by the user)"
+    return f"{threads} (auto)" if setting == "auto" else str(threads)
+
+
 def _start_cpu_client(factory):
     """``factory`` with NPROC set to the configured pool size while it runs, and restored (or removed)
     right after, so processes the program starts later see the user's environment."""
