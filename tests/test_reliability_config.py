@@ -174,12 +174,12 @@ def test_cpu_pool_follows_the_setting_and_leaves_nproc_alone(setting, nproc, thr
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
-def test_auto_leaves_the_dispatching_thread_a_core():
+def test_auto_keeps_xla_pool_of_one_thread_per_core():
     from torchneuron.runtime import pjrt
     (torch.ones(64, 64, device="neuron") @ torch.ones(64, 64, device="neuron")).cpu()
     if pjrt._pool_started_with != "auto" or os.environ.get("NPROC"):
         pytest.skip("the pool size of this process was chosen by its environment or an earlier test")
-    assert _pool_threads() == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert _pool_threads() == len(os.sched_getaffinity(0))
     assert "NPROC" not in os.environ
 
 

@@ -97,8 +97,8 @@ class Config:
     # (False, about half the CPU time of a small eager op). Read when the CPU client starts.
     cpu_async_dispatch: bool = False
     # CPU platform: threads in XLA's intra-op pool (the one a large matmul or convolution splits
-    # across), or "auto": one less than the cores this process may use, at least 1 (the thread that
-    # dispatches ops keeps a core to itself). Read when the CPU client starts.
+    # across), or "auto": XLA's own choice (one per core, or the NPROC the user set). Read when the
+    # CPU client starts.
     cpu_intra_op_threads: int | str = "auto"
 
     def __setattr__(self, name, value):

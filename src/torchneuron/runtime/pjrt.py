@@ -40,40 +40,29 @@ def _apply_async_dispatch(value: bool) -> None:
 
 observe("cpu_async_dispatch", _apply_async_dispatch)
 
-# XLA's CPU client sizes its intra-op (Eigen) thread pool from NPROC when it starts, else from the
-# cores it may use. On a machine with few cores the Python thread that dispatches every op competes
-# with that pool; leaving it a core of its own made eager steps and small fused executables faster
-# and large compiled graphs no slower (docs/performance.md).
+# XLA's CPU client sizes its intra-op (Eigen) thread pool from NPROC when it starts, else one thread
+# per core it may use. "auto" keeps that choice: a pool one core smaller made eager steps on 2 cores
+# up to ~10% faster but the compiled GPT train step ~26% slower (docs/performance.md).
 _NPROC = "NPROC"
 _pool_started_with = None   # the setting the CPU client started with; _BEFORE_US: started by JAX first
 _BEFORE_US = object()
 _pool_warned = False
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:   # pragma: no cover - platforms without affinity masks
-        return os.cpu_count() or 1
-
-
 def intra_op_threads(setting) -> int | None:
     """Threads for XLA's CPU intra-op pool under ``setting`` (``config.cpu_intra_op_threads``);
-    None leaves the choice to XLA: "auto" when the user set NPROC themselves."""
-    if setting != "auto":
-        return setting
-    if os.environ.get(_NPROC, "").strip():
-        return None
-    return max(1, _cores() - 1)
+    None leaves the choice to XLA (one per core, or the NPROC the user set)."""
+    return None if setting == "auto" else setting
 
 
 def describe_intra_op_pool() -> str:
     """The CPU intra-op pool size under the current setting, in words (benchmarks print it)."""
     setting = config.cpu_intra_op_threads
     threads = intra_op_threads(setting)
-    if threads is None:
-        return f"NPROC={os.environ[_NPROC]} (set by the user)"
-    return f"{threads} (auto)" if setting == "auto" else str(threads)
+    if threads is not None:
+        return str(threads)
+    nproc = os.environ.get(_NPROC, "").strip()
+    return f"NPROC={nproc} (set by the user)" if nproc else "XLA's choice (auto: one per core)"
 
 
 def _start_cpu_client(factory):
