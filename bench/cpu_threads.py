@@ -126,7 +126,7 @@ def main():
     base = sizes[0]
     print("pools: " + ", ".join(f"{size} -> {runs[size][0]['pool']}" for size in sizes))
     print(f"{'':15}" + "".join(f"{'pool ' + size:>14}" for size in sizes)
-          + "".join(f"{base + ' / ' + size:>12}" for size in sizes[1:]) + "   (ms per step; ratio > 1: faster)")
+          + "".join(f"{base + ' / ' + size:>12}" for size in sizes[1:]) + f"   (ms per step; ratios: time with pool {base} / time with the other, above 1: the other is faster)")
     for name in names:
         for field in (0, 1):   # wall time, CPU time
             row = f"{name:15}" if field == 0 else f"{'  cpu time':15}"

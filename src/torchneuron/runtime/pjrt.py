@@ -42,7 +42,7 @@ observe("cpu_async_dispatch", _apply_async_dispatch)
 
 # XLA's CPU client sizes its intra-op (Eigen) thread pool from NPROC when it starts, else one thread
 # per core it may use. "auto" keeps that choice: a pool one core smaller made eager steps on 2 cores
-# up to ~10% faster but the compiled GPT train step ~26% slower (docs/performance.md).
+# up to ~10% faster but the compiled GPT train step 0.74x as fast (docs/performance.md).
 _NPROC = "NPROC"
 _pool_started_with = None   # the setting the CPU client started with; _BEFORE_US: started by JAX first
 _BEFORE_US = object()
