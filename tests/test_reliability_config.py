@@ -200,5 +200,6 @@ def test_pool_setting_after_the_client_started_warns_once(monkeypatch):
 def test_pool_setting_after_jax_started_its_client_warns():
     out = _pool_child("1", None, jax_first=True)
     assert out["nproc"] is None
-    assert len(out["warnings"]) == 1 and "JAX created its CPU client before torchneuron" in out["warnings"][0]
+    assert len(out["warnings"]) == 1, out
+    assert "JAX created its CPU client before torchneuron" in out["warnings"][0] and "NPROC=1" in out["warnings"][0]
     assert out["threads"] == len(os.sched_getaffinity(0))   # XLA's own choice: one per core

@@ -30,7 +30,7 @@ def _default_cache_dir() -> str:
 # Integer settings and their smallest value.
 _MINIMUM = {"adaptive_max_ops": 1, "adaptive_segment_ops": 1, "adaptive_compile_after": 1,
             "cpu_intra_op_threads": 1}
-# Integer settings that also accept "auto" (torchneuron picks the value).
+# Integer settings that also accept "auto" (the value is chosen where the setting is applied).
 _AUTO = {"cpu_intra_op_threads"}
 # Real-valued settings and their smallest value.
 _FLOAT_MINIMUM = {"adaptive_compile_budget": 0.0}

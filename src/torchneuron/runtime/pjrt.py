@@ -96,14 +96,14 @@ def _intra_op_threads_changed(value) -> None:
     if _pool_started_with is _BEFORE_US:
         if value == "auto":
             return
-        why = ("JAX created its CPU client before torchneuron was imported; import torch before using "
-               "JAX, or")
+        why = (f"JAX created its CPU client before torchneuron was imported; import torch before using "
+               f"JAX, or set NPROC={value} before the process starts")
     else:
-        why = "the CPU client started already (at the first neuron operation);"
+        why = ("the CPU client started already (at the first neuron operation); set "
+               "TORCHNEURON_CPU_INTRA_OP_THREADS before it starts, e.g. in a new process")
     _pool_warned = True
-    warnings.warn(
-        f"torchneuron: config.cpu_intra_op_threads={value!r} has no effect in this process: {why} set "
-        f"TORCHNEURON_CPU_INTRA_OP_THREADS before the process starts", stacklevel=3)
+    warnings.warn(f"torchneuron: config.cpu_intra_op_threads={value!r} has no effect in this process: {why}",
+                  stacklevel=3)
 
 
 _cpu_registration = xla_bridge._backend_factories.get("cpu")
