@@ -150,6 +150,8 @@ class Region:
                 if (_freeze(values[i]) if frozen else values[i]) != want:
                     self.cursor = None
                     return _NOT_REPLAYED
+            if check.aliased:   # as Kernel.__call__ on a cache hit: the views' offsets may differ
+                k.check_overlaps(values)
             n_addr, n_ext, n_rt = len(self.addr_of), len(self.external), len(self.runtime)
             if not self._match_inputs(check, values):
                 self._rollback(n_addr, n_ext, n_rt)
@@ -669,7 +671,7 @@ class _OpCheck:
     ids each tensor must sit on, and what the op writes."""
 
     __slots__ = ("entry", "exe", "kernel", "statics", "args", "storages", "device", "default_dtype", "random",
-                 "factory", "written", "maybe_checked")
+                 "factory", "written", "maybe_checked", "aliased")
 
     def __init__(self, entry):
         exe, input_sids, _, _ = entry
@@ -704,6 +706,7 @@ class _OpCheck:
         # No tensor inputs: the device argument (else the current device) decides the key's device.
         self.factory = not _reads_storage(specs)
         self.written = tuple(input_sids[slot] for slot in exe.writes)
+        self.aliased = exe.aliased   # a written view shares its storage with another argument
         # Whether a replayed call keeps its call site for device-check errors (checks are known
         # once the executable was traced, which a plan's first run does).
         checks = exe.traced.checks

@@ -57,7 +57,7 @@ _records = memory.allocator.records
 
 class Executable:
     __slots__ = ("traced", "call", "out_specs", "outputs", "writes", "op_name", "key", "reason", "single",
-                 "single_checked")
+                 "single_checked", "aliased")
 
     def __init__(self, traced, out_specs, writes, op_name, key=None, reason=None):
         self.traced = traced          # the pure function of (buffers..., runtime values...)
@@ -71,6 +71,9 @@ class Executable:
         self.reason = reason          # why it was needed: "new op", "new shape", ...
         self.single = False           # the op returns exactly one new output and writes nothing
         self.single_checked = False   # the same, plus the outcome of its device checks (ops/checks)
+        # A written tensor shares its storage with another argument: each call checks the overlap
+        # (``x[:9].copy_(x[9:])`` and ``x[:9].copy_(x[1:10])`` have one key, their offsets differ).
+        self.aliased = False
 
     def split_single(self) -> None:
         """Once its device checks are known (traced or loaded): their outcome is one more result,
@@ -176,6 +179,8 @@ class Kernel(OpSignature):
         exe = _cache.get(key)
         if exe is None:
             exe = self._miss(key, values, specs, ctx)
+        elif exe.aliased:
+            self.check_overlaps(values)
         if recorder is not None:   # adaptive eager: record now, run fused at the next sync point
             return recorder.record(self, exe, values, ctx)
         if exe.call is None:
@@ -245,8 +250,7 @@ class Kernel(OpSignature):
         # Then what CPU checks as it builds the op (the written tensors: devices, casting, overlaps),
         # then the kernel's dtypes: x[:-1] <<= x[1:] on floats is an overlap error first.
         mutated = self.mutated_tensors(values)
-        if mutated:
-            self._check_writes(values, [t for _, _, t in mutated], ctx)
+        aliased = bool(mutated) and self._check_writes(values, [t for _, _, t in mutated], ctx)
         cpu_dtypes.check(self, values, _describe)
         try:
             self.check_dtypes(values)
@@ -275,6 +279,7 @@ class Kernel(OpSignature):
             promote_dtype = self.promotion_dtype(values, new_meta)
         traced = _Traced(self, specs, values, out_specs, write_targets, writes, promote_dtype, ctx)
         exe = Executable(traced, out_specs, writes, self.short_name)
+        exe.aliased = aliased
         exe.single = (not writes and len(out_specs) == 1 and out_specs[0] is not None
                       and not self.returns_list and self.return_sources == [None])
         return exe
@@ -296,7 +301,9 @@ class Kernel(OpSignature):
         """PyTorch's rules for the tensors an op writes, which its meta kernel may not apply: they
         live on the op's device (CUDA's rule), an in-place result must be castable to them
         ("result type Float can't be cast to the desired output type Long"), and they may not
-        overlap themselves or another argument. Once per cache entry (all of it is in the key)."""
+        overlap themselves or another argument. Once per cache entry, except the overlap of views of
+        one storage, whose offsets are runtime inputs: True when a later call with this key must
+        check that again (``Executable.aliased``)."""
         for t in mutated:
             if t.device.type != "neuron" or (ctx.device_index is not None and t.device.index != ctx.device_index):
                 raise device_mismatch_error(t, ctx.device_index if ctx.device_index is not None else current_device())
@@ -319,12 +326,22 @@ class Kernel(OpSignature):
                 raise self._cpu_error(values) or RuntimeError(
                     f"result type {dtype_name(result.dtype)} can't be cast to the desired output type "
                     f"{dtype_name(target.dtype)}\n[torchneuron] in {self.name}{_describe(values)}")
-        # The other tensor arguments (list elements included: index_put_'s indices); the written
-        # tensor itself is not "another" argument, but the same tensor passed again is.
-        written = {i for i in self.mutated}
-        others = [t for i, v in enumerate(values) if i not in written
-                  for t in (v if isinstance(v, list | tuple) else (v,)) if isinstance(t, torch.Tensor)]
-        if oracle.may_overlap(mutated, others):
+        self.check_overlaps(values, mutated)
+        return oracle.shares_storage(mutated, self._other_tensors(values))
+
+    def _other_tensors(self, values):
+        """The tensor arguments other than the written ones (list elements included: index_put_'s
+        indices); the written tensor passed again as another argument is one of them."""
+        written = self.mutated
+        return [t for i, v in enumerate(values) if i not in written
+                for t in (v if isinstance(v, list | tuple) else (v,)) if isinstance(t, torch.Tensor)]
+
+    def check_overlaps(self, values, mutated=None):
+        """CPU's "unsupported operation" error if a written tensor overlaps itself or another
+        argument (CPU decides what it accepts: ``x.add_(x)`` yes, ``i.index_fill_(0, i, 0)`` no)."""
+        if mutated is None:
+            mutated = [t for _, _, t in self.mutated_tensors(values)]
+        if oracle.may_overlap(mutated, self._other_tensors(values)):
             err = self._cpu_error(values)
             if err is not None and str(err).startswith(oracle.OVERLAP):
                 raise err

@@ -115,10 +115,34 @@ def may_overlap(mutated, others) -> bool:
             return True
     for t in mutated:
         ptr = t.untyped_storage().data_ptr()
+        start, stop = _span(t)
         for other in others:
             if other.device == t.device and other.untyped_storage().data_ptr() == ptr:
-                return True
+                other_start, other_stop = _span(other)
+                if start < other_stop and other_start < stop:
+                    return True
     return False
+
+
+def shares_storage(mutated, others) -> bool:
+    """Whether a written tensor shares its storage with another argument (however their bytes lie)."""
+    ptrs = {t.untyped_storage().data_ptr() for t in mutated}
+    return any(o.untyped_storage().data_ptr() in ptrs for o in others)
+
+
+def _span(t):
+    """The bytes of its storage that a view can touch: [first, last + 1) (an empty view: none)."""
+    size = t.element_size()
+    start = t.storage_offset() * size
+    if t.numel() == 0:
+        return start, start
+    low = high = 0
+    for n, stride in zip(t.shape, t.stride()):
+        if stride > 0:
+            high += (n - 1) * stride
+        else:
+            low += (n - 1) * stride
+    return start + low * size, start + (high + 1) * size
 
 
 def as_cpu_error(err: BaseException, op: str, described: str) -> BaseException:
