@@ -869,3 +869,24 @@ def test_overlap_is_checked_per_call_for_views_of_one_storage(mode):
     expected, expected_data = calls("cpu")
     assert got == expected and "ok" in got and any(o.startswith("unsupported operation") for o in got)
     assert torch.equal(got_data, expected_data)
+
+
+# TestTorchDeviceType.test_shift_mem_overlap: an in-place op without a lowering (decomposed, or run
+# on CPU) works on copies of its arguments, where their aliasing is gone: neuron raised the
+# decomposed op's dtype error where CPU raises the overlap first.
+def test_unlowered_in_place_op_on_overlapping_views_raises_cpus_overlap_error():
+    def case(device):
+        x = torch.rand(3, device=device)
+        x[:-1] <<= x[1:]
+
+    expected = _error(case, "cpu")
+    assert expected is not None and expected.startswith("unsupported operation")
+    assert _error(case, "neuron") == expected
+
+
+def test_unlowered_in_place_op_on_disjoint_views_of_one_storage_runs():
+    x = torch.arange(6)
+    n = x.to("neuron")
+    x[:3] <<= x[3:]
+    n[:3] <<= n[3:]
+    assert torch.equal(n.cpu(), x)

@@ -19,6 +19,7 @@ from ..metrics import metrics, op_key
 from ..ops.signature import OpSignature, functional_of, out_names
 from ..runtime import memory, sites
 from ..runtime.device import current_device
+from . import oracle
 from .kernel import describe_args
 from .out_variants import check_out_devices, write_out
 
@@ -87,6 +88,9 @@ def _neuron_fallback(op, *args, **kwargs):
         active = _active()
         if decomp is not None and op not in active:
             metrics.decompositions[op_key(name)] += 1
+            sig = _signature(op)
+            if sig.mutated:   # the decomposed ops write copies: the overlap is CPU's first error
+                oracle.check_overlaps(sig, sig.bind(args, kwargs, missing=None), describe_args)
             active.add(op)
             try:
                 return decomp(*args, **kwargs)
@@ -135,11 +139,15 @@ def _signature(op) -> OpSignature:
     return sig
 
 
-def _check_written_devices(op, args, kwargs, device) -> None:
+def _check_written_tensors(op, args, kwargs, device) -> None:
     """Tensors the op writes (out=, in-place) live on its device, as on CUDA: the CPU run would
-    otherwise write a CPU out= tensor directly and hide the transfer."""
+    otherwise write a CPU out= tensor directly and hide the transfer. And they overlap no other
+    argument where CPU refuses it: the CPU run gets each argument as a copy of its own, where
+    aliasing can no longer be seen."""
     sig = _signature(op)
-    check_out_devices([t for _, _, t in sig.mutated_tensors(sig.bind(args, kwargs, missing=None))], device)
+    values = sig.bind(args, kwargs, missing=None)
+    check_out_devices([t for _, _, t in sig.mutated_tensors(values)], device)
+    oracle.check_overlaps(sig, values, describe_args)
 
 
 def _keep_out_shape(op, args, kwargs):
@@ -192,7 +200,7 @@ def cpu_fallback(op, args, kwargs):
             f"torchneuron: {name} is not lowered for neuron; it runs on CPU (inputs copied to host "
             "and results back). Set TORCHNEURON_FALLBACK=error to make this an error, or =silent.")
     device = _device_of(args, kwargs)
-    _check_written_devices(op, args, kwargs, device)
+    _check_written_tensors(op, args, kwargs, device)
     originals = {}
 
     def to_cpu(v):

@@ -326,25 +326,13 @@ class Kernel(OpSignature):
                 raise self._cpu_error(values) or RuntimeError(
                     f"result type {dtype_name(result.dtype)} can't be cast to the desired output type "
                     f"{dtype_name(target.dtype)}\n[torchneuron] in {self.name}{_describe(values)}")
-        self.check_overlaps(values, mutated)
-        return oracle.shares_storage(mutated, self._other_tensors(values))
+        self.check_overlaps(values)
+        return oracle.shares_storage(mutated, self.other_tensors(values))
 
-    def _other_tensors(self, values):
-        """The tensor arguments other than the written ones (list elements included: index_put_'s
-        indices); the written tensor passed again as another argument is one of them."""
-        written = self.mutated
-        return [t for i, v in enumerate(values) if i not in written
-                for t in (v if isinstance(v, list | tuple) else (v,)) if isinstance(t, torch.Tensor)]
-
-    def check_overlaps(self, values, mutated=None):
+    def check_overlaps(self, values):
         """CPU's "unsupported operation" error if a written tensor overlaps itself or another
-        argument (CPU decides what it accepts: ``x.add_(x)`` yes, ``i.index_fill_(0, i, 0)`` no)."""
-        if mutated is None:
-            mutated = [t for _, _, t in self.mutated_tensors(values)]
-        if oracle.may_overlap(mutated, self._other_tensors(values)):
-            err = self._cpu_error(values)
-            if err is not None and str(err).startswith(oracle.OVERLAP):
-                raise err
+        argument (see oracle.check_overlaps)."""
+        oracle.check_overlaps(self, values, _describe)
 
     def _cpu_error(self, values):
         """CPU's error for this call (see eager/oracle.py), with the op and inputs, or None."""

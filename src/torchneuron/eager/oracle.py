@@ -124,6 +124,17 @@ def may_overlap(mutated, others) -> bool:
     return False
 
 
+def check_overlaps(sig, values, describe) -> None:
+    """CPU's "unsupported operation" error if a tensor the op ``sig`` writes (values in schema
+    order) overlaps itself or another argument. CPU decides what it accepts: ``x.add_(x)`` yes,
+    ``i.index_fill_(0, i, 0)`` and ``x[:-1].copy_(x[1:])`` no."""
+    mutated = [t for _, _, t in sig.mutated_tensors(values)]
+    if mutated and may_overlap(mutated, sig.other_tensors(values)):
+        err = cpu_error(sig.overload, values, sig.kwarg_only, sig.arg_names)
+        if err is not None and str(err.args[0] if err.args else err).startswith(OVERLAP):
+            raise as_cpu_error(err, sig.name, describe(values))
+
+
 def shares_storage(mutated, others) -> bool:
     """Whether a written tensor shares its storage with another argument (however their bytes lie)."""
     ptrs = {t.untyped_storage().data_ptr() for t in mutated}

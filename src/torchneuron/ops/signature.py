@@ -239,6 +239,13 @@ class OpSignature:
                 found.append((i, pos, t))
         return found
 
+    def other_tensors(self, values):
+        """The tensor arguments other than the written ones (list elements included: index_put_'s
+        indices); the written tensor passed again as another argument is one of them."""
+        written = self.mutated
+        return [t for i, v in enumerate(values) if i not in written
+                for t in (v if isinstance(v, list | tuple) else (v,)) if isinstance(t, torch.Tensor)]
+
     # -- results ----------------------------------------------------------------------------------
     def new_output_metas(self, meta_out) -> list:
         """The entries of the op's (meta) result that are new tensors, not aliases of inputs."""
