@@ -890,3 +890,20 @@ def test_unlowered_in_place_op_on_disjoint_views_of_one_storage_runs():
     x[:3] <<= x[3:]
     n[:3] <<= n[3:]
     assert torch.equal(n.cpu(), x)
+
+
+# TestTorchDeviceType.test_scalar_check: ATen counts a 0-dim index as 1-dim, so gather/scatter of a
+# 1-dim tensor take one; neuron failed to compile them.
+@pytest.mark.parametrize("case", [
+    lambda d: torch.gather(torch.tensor([1.0, 2.0], device=d), 0, torch.tensor(1, device=d)),
+    lambda d: torch.tensor([1.0, 2.0], device=d).scatter_(0, torch.tensor(1, device=d), 5.0),
+    lambda d: torch.tensor([1.0, 2.0], device=d).scatter_(0, torch.tensor(1, device=d), torch.tensor([7.0, 8.0], device=d)),
+    lambda d: torch.tensor([1.0, 2.0], device=d).scatter_add_(0, torch.tensor(1, device=d), torch.tensor(5.0, device=d)),
+    lambda d: torch.tensor([1.0, 2.0], device=d).scatter_reduce_(0, torch.tensor(0, device=d), torch.tensor(5.0, device=d),
+                                                                "amax"),
+    lambda d: torch.tensor([1.0, 2.0], device=d).scatter_(0, torch.tensor(1, device=d), torch.tensor(3.0, device=d),
+                                                          reduce="multiply"),
+], ids=["gather", "scatter-value", "scatter-src", "scatter_add", "scatter_reduce", "scatter-multiply"])
+def test_gather_and_scatter_take_a_0_dim_index_of_a_1_dim_tensor(case):
+    expected, got = case("cpu"), case("neuron")
+    assert got.shape == expected.shape and torch.equal(got.cpu(), expected)

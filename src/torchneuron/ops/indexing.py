@@ -67,6 +67,12 @@ def _gather_like(self, dim, index):
     return self[tuple(slice(0, n) for n in limits)]
 
 
+def _one_dim(index, self):
+    """ATen's rank rule counts a 0-dim tensor as 1-dim: a 0-dim index of a 1-dim ``self`` is one
+    element (``torch.gather(x, 0, torch.tensor(1))`` is ``x[1]``, 0-dim)."""
+    return index.reshape(1) if index.ndim == 0 and self.ndim == 1 else index
+
+
 @lowering("gather.default")
 def gather(self, dim, index, *, sparse_grad=False):
     if index.size == 0:   # ATen checks nothing about an empty index (not even its rank)
@@ -75,8 +81,10 @@ def gather(self, dim, index, *, sparse_grad=False):
         _check_nonnegative(index, 1, 0)
         return self.reshape(index.shape)
     dim = dim % self.ndim
+    shape, index = index.shape, _one_dim(index, self)
     _check_nonnegative(index, self.shape[dim], dim)
-    return jnp.take_along_axis(_gather_like(self, dim, index), _wrap(index, self.shape[dim]), axis=dim)
+    out = jnp.take_along_axis(_gather_like(self, dim, index), _wrap(index, self.shape[dim]), axis=dim)
+    return out.reshape(shape)
 
 
 def _check_nonnegative(index, size, dim, error=RuntimeError, message=None):
@@ -103,6 +111,7 @@ def scatter(self, dim, index, src=None, value=None):
         _check_nonnegative(index, 1, 0)
         return jnp.asarray(src if src is not None else value, self.dtype).reshape(())
     dim = dim % self.ndim
+    index = _one_dim(index, self)
     vals = _src_like(src if src is not None else value, index)
     return self.at[_scatter_index(index, dim, self.shape[dim])].set(vals)
 
@@ -113,6 +122,7 @@ def scatter_reduce_legacy(self, dim, index, src=None, value=None, *, reduce):
         src = None if src is None else src.reshape(-1)
         return scatter_reduce_legacy(self.reshape(1), 0, index.reshape(-1), src, value, reduce=reduce).reshape(())
     dim = dim % self.ndim
+    index = _one_dim(index, self)
     vals = _src_like(src if src is not None else value, index)
     at = self.at[_scatter_index(index, dim, self.shape[dim])]
     return _add_at(at, vals) if reduce == "add" else at.multiply(vals)
@@ -126,6 +136,7 @@ def scatter_add(self, dim, index, src):
         _check_nonnegative(index, 1, 0)
         return self + src.reshape(())
     dim = dim % self.ndim
+    index = _one_dim(index, self)
     return _add_at(self.at[_scatter_index(index, dim, self.shape[dim])], _src_like(src, index))
 
 
@@ -135,6 +146,7 @@ def scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
         self, src, index = self.reshape(1), src.reshape(-1), index.reshape(-1)
         return scatter_reduce(self, 0, index, src, reduce, include_self=include_self).reshape(())
     dim = dim % self.ndim
+    index = _one_dim(index, self)
     idx = _scatter_index(index, dim, self.shape[dim])
     vals = _src_like(src, index)
     is_float = jnp.issubdtype(self.dtype, jnp.floating)
