@@ -907,3 +907,34 @@ def test_unlowered_in_place_op_on_disjoint_views_of_one_storage_runs():
 def test_gather_and_scatter_take_a_0_dim_index_of_a_1_dim_tensor(case):
     expected, got = case("cpu"), case("neuron")
     assert got.shape == expected.shape and torch.equal(got.cpu(), expected)
+
+
+# TestTorchDeviceType.test_is_set_to: t.set_(source) ran on CPU, so t got a copy instead of
+# source's storage (writes through one missed the other) and is_set_to compared host copies;
+# t.set_() tried to give a neuron tensor a CPU storage.
+def test_set_to_a_tensor_shares_its_storage_and_is_set_to_follows_aten():
+    def run(device):
+        a = torch.arange(6.0, device=device)
+        c = torch.empty(0, device=device).set_(a)
+        c[1] = 7.0
+        t1, t2 = torch.empty(3, 4, device=device), torch.empty(3, 4, device=device)
+        t3 = torch.tensor([], device=device).set_(t1)
+        t4 = t3.clone().resize_(4, 3)
+        e1 = torch.empty([2, 5, 0], device=device)
+        flags = [t1.is_set_to(t2), t1.is_set_to(t3), t3.is_set_to(t1), t1.is_set_to(t4),
+                 torch.tensor([], device=device).is_set_to(torch.tensor([], device=device)),
+                 e1.is_set_to(e1.view([0])), t1.is_set_to(t1.view(4, 3))]
+        b = torch.ones(3, device=device).set_()
+        return a.cpu(), flags, (tuple(b.shape), b.device.type, b.untyped_storage().nbytes())
+
+    got, expected = run("neuron"), run("cpu")
+    assert torch.equal(got[0], expected[0]) and got[0][1] == 7.0
+    assert got[1] == expected[1] == [False, True, True, False, False, False, False]
+    assert got[2] == ((0,), "neuron", 0) and expected[2] == ((0,), "cpu", 0)
+
+
+def test_set_to_a_tensor_of_another_dtype_raises_atens_error():
+    def case(device):
+        torch.empty(0, device=device).set_(torch.zeros(2, dtype=torch.int64, device=device))
+
+    assert _error(case, "neuron") == _error(case, "cpu") == "Could not set tensor of type long int to a tensor of type float"

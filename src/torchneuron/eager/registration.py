@@ -34,7 +34,7 @@ _kernels: dict[str, object] = {}
 _METADATA_OPS = [
     "view.default", "as_strided.default", "_reshape_alias.default", "unfold.default",
     "view_as_real.default", "view_as_complex.default", "set_.source_Storage",
-    "set_.source_Storage_storage_offset", "set_.default", "as_strided_.default",
+    "set_.source_Storage_storage_offset", "as_strided_.default",
 ]
 
 
@@ -108,6 +108,11 @@ def _kernel_table() -> dict:
     table["_copy_from.default"] = storage_ops.copy_from
     table["_local_scalar_dense.default"] = storage_ops.local_scalar_dense
     table["resize_.default"] = storage_ops.resize_
+    # set_(tensor) shares the source's storage, set_() makes an empty one on the tensor's device
+    # (through CPU's kernels, set_(tensor) got a copy and set_() a CPU storage).
+    table["set_.source_Tensor"] = storage_ops.set_tensor_
+    table["set_.default"] = storage_ops.set_empty_
+    table["is_set_to.default"] = storage_ops.is_set_to
     table["_lazy_clone.default"] = storage_ops.lazy_clone
     for name in _METADATA_OPS:
         table[name] = _redispatch_cpu(aten_overload(name))

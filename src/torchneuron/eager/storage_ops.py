@@ -93,6 +93,39 @@ def resize_(self, size, memory_format=None):
     return self
 
 
+def set_tensor_(self, source):
+    """``t.set_(source)``: ``t`` shares ``source``'s storage, offset, sizes and strides, as ATen's
+    set_ does (run on CPU, ``t`` would get a copy: writes through one would miss the other)."""
+    if source.dtype != self.dtype:   # ATen's check and text
+        raise RuntimeError(f"Could not set tensor of type {_type_name(source.dtype)} to a tensor of type "
+                           f"{_type_name(self.dtype)}")
+    return torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+        _CPU, self, source.untyped_storage(), source.storage_offset(), source.size(), source.stride())
+
+
+def set_empty_(self):
+    """``t.set_()``: a new empty storage on ``t``'s own device."""
+    fresh = memory.allocator.new_tensor((0,), (1,), self.dtype, self.device.index or 0)
+    return torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+        _CPU, self, fresh.untyped_storage(), 0, (0,), (1,))
+
+
+def is_set_to(self, tensor) -> bool:
+    """ATen's rule: the same storage, storage offset, sizes and strides."""
+    return (self.untyped_storage()._cdata == tensor.untyped_storage()._cdata
+            and self.storage_offset() == tensor.storage_offset()
+            and self.size() == tensor.size() and self.stride() == tensor.stride())
+
+
+def _type_name(dtype) -> str:
+    """ATen's C++ name of a dtype in its messages ("long int", "float")."""
+    return {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+            torch.bfloat16: "c10::BFloat16", torch.int64: "long int", torch.int32: "int",
+            torch.int16: "short int", torch.int8: "signed char", torch.uint8: "unsigned char",
+            torch.bool: "bool", torch.complex64: "c10::complex<float>",
+            torch.complex128: "c10::complex<double>"}.get(dtype, str(dtype))
+
+
 def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """``Tensor.copy_`` for every pair of devices that involves neuron."""
     if self.device.type != "neuron":
