@@ -938,3 +938,23 @@ def test_set_to_a_tensor_of_another_dtype_raises_atens_error():
         torch.empty(0, device=device).set_(torch.zeros(2, dtype=torch.int64, device=device))
 
     assert _error(case, "neuron") == _error(case, "cpu") == "Could not set tensor of type long int to a tensor of type float"
+
+
+# TestTorchDeviceType.test_nondeterministic_alert_put: put/put_ without accumulation alert under
+# torch.use_deterministic_algorithms(True) on CPU (and CUDA); neuron ran them silently.
+@pytest.mark.parametrize("op", [torch.Tensor.put, torch.Tensor.put_], ids=["put", "put_"])
+def test_put_alerts_under_deterministic_algorithms_like_cpu(op):
+    def case(device):
+        a = torch.randn(10, device=device)
+        op(a, torch.tensor([0, 0], device=device), torch.tensor([0.0, 1.0], device=device), accumulate=False)
+
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        expected = _error(case, "cpu")
+        assert expected is not None and "does not have a deterministic implementation" in expected
+        assert _error(case, "neuron") == expected
+        a = torch.zeros(3, device="neuron")
+        op(a, torch.tensor([0, 0], device="neuron"), torch.tensor([1.0, 2.0], device="neuron"), accumulate=True)
+    finally:
+        torch.use_deterministic_algorithms(before)

@@ -3,7 +3,7 @@
 ``random_(from, to)`` and ``uniform_(from, to)`` check their range against the tensor's dtype,
 ``normal(mean, std)`` checks that no element of a tensor ``std`` is negative, and
 ``leaky_relu_backward``/``elu_backward`` refuse the backward of an in-place leaky_relu/elu with a
-negative slope/alpha. These values are runtime inputs of the executables (one executable serves
+negative slope/alpha, and ``put``/``put_`` alert under deterministic algorithms as ATen's kernels do. These values are runtime inputs of the executables (one executable serves
 every range and slope), and meta kernels skip the checks, so the eager kernel runs the check below before each call of these
 ops (no other op pays for it):
 the range checks replay the call on an empty CPU tensor of the same dtype, so the errors and
@@ -13,6 +13,8 @@ warnings are CPU PyTorch's own; the ``std`` check reads one bool from the device
 from __future__ import annotations
 
 import torch
+
+from ..runtime import sites
 
 
 def _replay_on_empty_cpu(kernel, values) -> None:
@@ -51,7 +53,25 @@ def _inplace_elu_alpha(kernel, values) -> None:
             "out-of-place version instead.")
 
 
+def _put_determinism(kernel, values) -> None:
+    """``put_``/``put`` without accumulation write duplicate indices in an unspecified order: under
+    ``torch.use_deterministic_algorithms(True)`` CPU and CUDA alert, and so does neuron."""
+    if values[3] or not torch._C._get_deterministic_algorithms():
+        return
+    message = ("put_ does not have a deterministic implementation, but you set "
+               "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this "
+               "operation, or you can use the 'warn_only=True' option, if that's acceptable for your "
+               "application. You can also file an issue at https://github.com/pytorch/pytorch/issues to "
+               "help us prioritize adding deterministic support for this operation.")
+    if torch._C._get_deterministic_algorithms_warn_only():
+        sites.warn(message)
+    else:
+        raise RuntimeError(message)
+
+
 CHECKS = {
+    "put": _put_determinism,
+    "put_": _put_determinism,
     "elu_backward": _inplace_elu_alpha,
     "leaky_relu_backward": _inplace_leaky_relu_slope,
     "random_.from": _replay_on_empty_cpu,
