@@ -719,7 +719,8 @@ def render(results: dict, expectations: Expectations, sources: dict, meta: dict,
         if not entries:
             continue
         lines += [f"### {label}", "", "| file | test or pattern | tests | reason |", "|---|---|---|---|"]
-        for (file, pattern), n in sorted(entries.items()):
+        # Tests that never ran and match no entry are counted under the design class, pattern None.
+        for (file, pattern), n in sorted(entries.items(), key=lambda item: (item[0][0], item[0][1] or "")):
             entry = dict(expectations.entries[file])[pattern] if pattern else {"reason": "?"}
             lines.append(f"| {file} | `{pattern}` | {n} | {entry['reason']} |")
         lines.append("")
