@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,9 @@ def main() -> None:
         logged = loss.detach()
         dist.all_reduce(logged, op=dist.ReduceOp.AVG)
         if rank == 0:
-            print(f"step {step} loss {logged.item():.6f}", flush=True)
+            # One write, newline included: the other ranks write to the same terminal.
+            sys.stdout.write(f"step {step} loss {logged.item():.6f}\n")
+            sys.stdout.flush()
 
     if rank == 0:
         import torchneuron

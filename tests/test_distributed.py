@@ -312,7 +312,8 @@ def test_torchrun_ddp_example_matches_single_process(tmp_path):
         output, _ = proc.communicate()
         raise AssertionError(f"torchrun example did not finish within {LAUNCH_DEADLINE} s:\n{output[-6000:]}") from None
     assert proc.returncode == 0, output[-6000:]
-    got = [float(v) for v in re.findall(r"^step \d+ loss ([0-9.eE+-]+)$", output, re.M)]
+    # Another rank's C++ warning may land on the same line (the ranks share the output pipe).
+    got = [float(v) for v in re.findall(r"step \d+ loss ([0-9]+\.[0-9]{6})", output)]
 
     sys.path.insert(0, str(ROOT / "examples"))
     try:
