@@ -22,9 +22,9 @@ from torch._higher_order_ops.auto_functionalize import (
 )
 
 from ..kernels import NeuronKernel
-from ..ops.signature import cast, signature_for
+from ..ops.signature import signature_for
 from ..runtime import layout
-from ..runtime.dtypes import device_dtype, jax_dtype
+from ..runtime.dtypes import cast, device_dtype, jax_dtype
 
 AUTO_FUNCTIONALIZED = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
 

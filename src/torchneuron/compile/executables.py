@@ -11,27 +11,11 @@ import time
 
 import jax
 
+from ..config import config
 from ..metrics import metrics
 from ..runtime import pjrt
+from ..runtime.executable import Executable
 from . import cache
-
-
-class Executable:
-    __slots__ = ("call", "n_new", "n_host", "writes", "host_writes", "name", "checks")
-
-    def __init__(self, call, n_new, n_host, writes, host_writes, name, checks=()):
-        self.call = call
-        self.n_new = n_new              # new device outputs, first in the results
-        self.n_host = n_host            # then outputs that live on the CPU
-        self.writes = writes            # then new buffers of written storages (slot indices)
-        self.host_writes = host_writes  # then new values of mutated CPU inputs (input indices)
-        self.name = name
-        self.checks = checks            # then, if any, the outcome of these ((check, op), ...)
-
-    def meta(self) -> dict:
-        return {"n_new": self.n_new, "n_host": self.n_host, "writes": self.writes,
-                "host_writes": self.host_writes, "name": self.name, "checks": self.checks}
-
 
 # (graph hash, input signature, device) -> executable, shared by every GraphProgram in the process.
 _shared: dict = {}
@@ -67,8 +51,9 @@ def cached(graph_hash, key, device_index, need_trace: bool):
     metrics.extra["graph_compile_seconds"] += seconds
     metrics.extra["graph_persistent_cache_hits"] += 1
     metrics.extra["graph_index_hits"] += 1
-    exe = Executable(compiled, meta["n_new"], meta["n_host"], tuple(meta["writes"]),
-                     tuple(meta["host_writes"]), meta["name"], tuple(meta.get("checks", ())))
+    exe = Executable(compiled, meta["name"], tuple(meta["writes"]), config.device_checks,
+                     tuple(meta.get("checks", ())), n_new=meta["n_new"], n_host=meta["n_host"],
+                     host_writes=tuple(meta["host_writes"]))
     _shared[shared_key] = exe
     return exe
 

@@ -34,15 +34,14 @@ from ..config import config
 from ..metrics import metrics
 from ..ops import devices
 from ..ops.signature import registry_name, signature_for
-from ..runtime import deferred, memory, rng, sites, transfers
+from ..runtime import rng, sites, transfers
 from ..runtime.device import current_device
+from ..runtime.executable import Executable
 from . import cache, custom_kernels, executables
 from .errors import NeuronCompileError, NodeFailure, lowering_error, metric_name
 from .foreach import foreach_plan
 from .interpreter import Interpreter, Step, call_signature
 from .outputs import OutputPlan
-
-_records = memory.allocator.records
 
 # Nodes that only check metadata at trace time.
 _NOOPS = frozenset({
@@ -174,11 +173,13 @@ class GraphProgram:
             args = list(args)
         if self.eager:
             return self._run_eager(args)
-        bufs, addrs, runtime, specs, device_index = call_signature(args)
+        ins, specs = call_signature(args)
+        bufs, runtime, device_index = ins.bufs, ins.runtime, ins.device_index
         if self.random:
             gen = rng.generator(device_index if device_index is not None else current_device())
             runtime.extend(gen.next_key_inputs())
-        key = tuple(specs)
+        # What decides the program: every input's spec and the sizes of the storages they read.
+        key = (tuple(specs), tuple(ins.storages))
         exe = self.executables.get(key)
         if exe is None:
             with self._lock:
@@ -191,7 +192,7 @@ class GraphProgram:
         results = exe.call(*bufs, *runtime)
         if self.custom_kernels:
             metrics.custom_kernel_calls.update(self.custom_kernels)
-        return self._finish(exe, results, args, addrs, device_index)
+        return self._finish(exe, results, args, ins.addrs, device_index)
 
     def _run_eager(self, args):
         out = self.gm(*args)
@@ -203,16 +204,10 @@ class GraphProgram:
         k = exe.n_new
         host_vals = list(results[k:k + exe.n_host])
         k += exe.n_host
-        for slot in exe.writes:
-            _records[addrs[slot]].buf = results[k]
-            k += 1
+        k = exe.take_writes(results, k, addrs)
         host_writes = list(results[k:k + len(exe.host_writes)])
         if exe.checks:   # the outcome of the graph's device checks, last
-            outcome = results[k + len(exe.host_writes)]
-            if self.device_checks == "sync":
-                deferred.check_now(outcome, exe.checks)
-            else:
-                deferred.defer(outcome, exe.checks, sites.place(sys._getframe()))
+            exe.report(results[k + len(exe.host_writes)], sites.place(sys._getframe()))
         if host_vals or host_writes:
             fetched = jax.device_get(host_vals + host_writes)
             for a in fetched:
@@ -247,8 +242,9 @@ class GraphProgram:
             raise err from failure.error
         name = f"{self.name}_{self.graph_hash[:12]}_{executables.digest(key)[:8]}"
         cache.dump(name, self.gm, lowered, specs, self.dump_dir)
-        exe = executables.Executable(compiled, len(self.output_plan.buffers), len(self.output_plan.host_outputs),
-                                     fn.writes, fn.host_writes, name, fn.checks)
+        exe = Executable(compiled, name, fn.writes, self.device_checks, fn.checks,
+                         n_new=len(self.output_plan.buffers), n_host=len(self.output_plan.host_outputs),
+                         host_writes=fn.host_writes)
         if not jax_cache_hits:
             metrics.custom_kernel_compiles.update(set(self.custom_kernels))
         executables.remember(self.graph_hash, key, device_index, exe, compiled, from_jax_cache=bool(jax_cache_hits),

@@ -12,18 +12,13 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from ..metrics import metrics
 from ..ops import checks
-from ..ops.signature import cast, cast_and_broadcast, read_input
-from ..runtime import layout, memory, transfers
-from ..runtime.device import device_mismatch_error
-from ..runtime.dtypes import device_dtype, jax_dtype
-from ..runtime.values import offset_array
+from ..runtime import inputs, layout
+from ..runtime.dtypes import cast, cast_and_broadcast, device_dtype, jax_dtype
+from ..runtime.inputs import Inputs
 from .custom_kernels import run_auto_functionalized
 from .errors import NodeFailure, meta_of
 from .outputs import static_value
-
-_records = memory.allocator.records
 
 
 class Step:
@@ -43,59 +38,10 @@ class Step:
 
 
 def call_signature(args):
-    """Buffers, runtime values, the cache-key specs and the device of one call's inputs."""
-    bufs, addrs, runtime, specs = [], [], [], []
-    slots = {}
-    device_index = None
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            dev = a.device.type
-            if dev == "neuron":
-                if a.numel() == 0:
-                    specs.append(("empty", a.dtype, tuple(a.shape)))
-                    continue
-                addr = a.untyped_storage().data_ptr()
-                rec = _records.get(addr)
-                if rec is None:
-                    memory.record_of(a)       # raises the freed-storage error
-                if device_index is None:
-                    device_index = rec.device_index
-                elif rec.device_index != device_index:
-                    raise device_mismatch_error(a, device_index)
-                slot = slots.get(addr)
-                if slot is None:
-                    slot = slots[addr] = len(bufs)
-                    bufs.append(memory.empty_buffer(rec))  # also runs a pending adaptive region
-                    addrs.append(addr)
-                # The storage offset is a runtime input (one executable for every x[i]), except
-                # for a view that starts its storage and spans all of it.
-                offset = a.storage_offset()
-                if offset == 0 and a.nbytes == rec.nbytes:
-                    specs.append((a.dtype, tuple(a.shape), a.stride(), 0, slot, rec.numel))
-                else:
-                    runtime.append(offset_array(offset))
-                    specs.append((a.dtype, tuple(a.shape), a.stride(), None, slot, rec.numel))
-            elif dev == "cpu":
-                host = transfers.host_array(a)      # uploaded by the call: counted as a copy
-                metrics.h2d_copies += 1
-                metrics.h2d_bytes += host.nbytes
-                runtime.append(host)
-                specs.append(("host", a.dtype, tuple(a.shape)))
-            else:
-                raise RuntimeError(
-                    f"torchneuron: a torch.compile(backend=\"neuron\") graph got an input on {a.device}; "
-                    "move it to the neuron device (or to the CPU) first.")
-        elif a is None:
-            specs.append(None)
-        elif isinstance(a, bool | int | torch.SymInt):
-            # Integers shape things: compiled in.
-            specs.append(("int", int(a)))
-        elif isinstance(a, float | torch.SymFloat):
-            runtime.append(float(a))
-            specs.append(float)
-        else:
-            specs.append(("const", a))
-    return bufs, addrs, runtime, specs, device_index
+    """(the collected buffers, runtime values and device, the specs) of one call's inputs
+    (``runtime/inputs.py``)."""
+    ins = Inputs()
+    return ins, [ins.graph_arg(a) for a in args]
 
 
 class Interpreter:
@@ -122,10 +68,11 @@ class Interpreter:
         self.storages = {}
         offsets = []
         for ph, spec in zip(p.placeholders, self.specs):
-            env[ph], offset = read_input(spec, bufs, rt)
+            env[ph], offset = inputs.read(spec, bufs, rt)
             offsets.append(offset)
-            if isinstance(spec, tuple) and len(spec) >= 5 and isinstance(spec[0], torch.dtype):
-                self.storages[ph] = (bufs[spec[4]], spec[0], None if spec[3] is not None else offset)
+            if inputs.is_view(spec):
+                self.storages[ph] = (bufs[spec[inputs.SLOT]], spec[inputs.DTYPE],
+                                     None if spec[inputs.OFFSET] is not None else offset)
         for node, value in p.constants.items():
             env[node] = jnp.asarray(value)
         base_key = None
@@ -165,15 +112,12 @@ class Interpreter:
         host_writes = []
         for i, value in self.mutations.items():
             spec = self.specs[i]
-            if spec is None or spec[0] == "empty":
+            if spec is None or spec[0] == inputs.EMPTY:
                 continue
-            if spec[0] == "host":
+            if spec[0] == inputs.HOST:
                 host_writes.append((i, cast(value, spec[1])))
                 continue
-            dtype, sizes, strides, _, slot, _ = spec
-            base = new_bufs.get(slot, bufs[slot])
-            value = cast_and_broadcast(value, dtype, sizes)
-            new_bufs[slot] = layout.write(base, value, jax_dtype(dtype), sizes, strides, offsets[i])
+            inputs.write_back(new_bufs, bufs, spec, value, offsets[i])
         self.writes = tuple(new_bufs)
         self.host_writes = tuple(i for i, _ in host_writes)
         return (tuple(outputs) + tuple(host) + tuple(new_bufs[s] for s in self.writes)

@@ -63,8 +63,9 @@ import torch
 from ..config import config
 from ..metrics import metrics
 from ..ops.signature import OPT_TENSOR_LIST, TENSOR_LIST
-from ..runtime import memory, rng, sites
+from ..runtime import inputs, memory, rng, sites
 from ..runtime.dtypes import jax_dtype
+from ..runtime.inputs import is_view, match_view, views
 from ..runtime.values import offset_array, scalar_array
 from . import kernel
 
@@ -72,7 +73,6 @@ _records = memory.allocator.records
 PENDING = memory.PENDING
 _NOT_REPLAYED = kernel.NOT_REPLAYED
 _freeze = kernel._freeze
-is_view_spec = kernel.is_view_spec
 _graph_task_id = torch._C._current_graph_task_id
 _LISTS = (TENSOR_LIST, OPT_TENSOR_LIST)
 _dtype_of = operator.attrgetter("dtype")
@@ -189,19 +189,10 @@ class Region:
             tag = arg[0]
             v = values[arg[1]]
             if tag is _VIEW:
-                _, _, dtype, sizes, strides, whole, sid, storage = arg
-                try:
-                    if v.dtype is not dtype or v.stride() != strides or v.shape != sizes:
-                        return False
-                    offset = v.storage_offset()
-                    addr = v.data_ptr() - offset * dtype.itemsize
-                except AttributeError:           # not a tensor
+                _, _, spec, sid, storage = arg
+                addr = match_view(v, spec, runtime)
+                if addr is None:
                     return False
-                if whole:
-                    if offset:
-                        return False
-                else:
-                    runtime.append(offset_array(offset))
                 known = sid_of.get(addr)
                 if known != sid and (known is not None or not self._external(addr, sid, storage, check.device)):
                     return False
@@ -315,34 +306,26 @@ class Region:
                 return False
             self.runtime.append(scalar_array(v))
             return True
-        dtype = spec[0]
-        if dtype.__class__ is not torch.dtype:
+        if spec[0].__class__ is not torch.dtype:
             return self._match_unusual(v, spec)
-        try:
-            if v.dtype is not dtype or v.stride() != spec[2] or v.shape != spec[1]:
-                return False
-            offset = v.storage_offset()
-            addr = v.data_ptr() - offset * dtype.itemsize
-        except AttributeError:                   # not a tensor
+        addr = match_view(v, spec, self.runtime)
+        if addr is None:
             return False
-        if spec[3] is None:
-            self.runtime.append(offset_array(offset))
-        elif offset:
-            return False
-        sid = sids[spec[4]]
+        slot = spec[inputs.SLOT]
+        sid = sids[slot]
         known = self.sid_of.get(addr)
-        return known == sid or (known is None and self._external(addr, sid, check.storages[spec[4]], check.device))
+        return known == sid or (known is None and self._external(addr, sid, check.storages[slot], check.device))
 
     def _match_unusual(self, v, spec):
         if not isinstance(v, torch.Tensor):
             return False
         tag = spec[0]
-        if tag == "cpu-scalar":
+        if tag == inputs.CPU_SCALAR:
             if v.device.type != "cpu" or v.dim() != 0 or v.dtype is not spec[1]:
                 return False
             self.runtime.append(np.asarray(v.item(), dtype=jax_dtype(v.dtype)))
             return True
-        if tag == "empty":
+        if tag == inputs.EMPTY:
             return v.device.type == "neuron" and v.numel() == 0 and v.dtype is spec[1] and tuple(v.shape) == spec[2]
         return False
 
@@ -400,7 +383,7 @@ class Region:
                 _records[ctx.addrs[slot]].buf = PENDING
                 self.results.add(input_sids[slot])
             entry = (exe, input_sids, out_sids, len(ctx.runtime))
-            checks = exe.traced.checks   # known once the executable was traced (None: not yet)
+            checks = exe.checks   # known once the executable was traced (None: not yet)
             if checks is None or checks:
                 self.sites[len(self.ops)] = sites.place(sys._getframe())
             self.ops.append(entry)
@@ -443,7 +426,7 @@ class Region:
         if h.checks is not None:   # the outcomes of the ops' device checks, after the results, in op order
             ops, op_sites, checked = h.checks
             for n, outcome in zip(checked, results[len(h.recs):]):
-                ops[n][0].traced.report(outcome, op_sites.get(n))
+                ops[n][0].report(outcome, op_sites.get(n))
 
     def flush(self, reason: str) -> None:
         if not self.ops and (self.inflight is None or reason in _OVERLAPPING):
@@ -505,7 +488,7 @@ class Region:
             # The outcomes of the ops' device checks, in op order (a "sync" error raises here, once
             # the region's results are in place).
             for n, outcome in outcomes:
-                ops[n][0].traced.report(outcome, op_sites.get(n))
+                ops[n][0].report(outcome, op_sites.get(n))
 
     def _advance(self, plan, ops):
         """The prediction after running ``plan``: the plan that followed it last time."""
@@ -592,14 +575,7 @@ _traced_once: set = set()   # new executables seen at a recorded call
 
 
 def _reads_non_floating(specs) -> bool:
-    for s in specs:
-        if isinstance(s, tuple) and s:
-            if s[0].__class__ is torch.dtype:
-                if not s[0].is_floating_point:
-                    return True
-            elif _reads_non_floating(s):
-                return True
-    return False
+    return any(not s[inputs.DTYPE].is_floating_point for s in views(specs))
 
 
 def _trace_now(k, exe, values, ctx):
@@ -682,24 +658,26 @@ class _OpCheck:
         self.storages, self.device, self.default_dtype = storages, device, default_dtype
         self.args = []
         # A view's offset in the key is 0 when it spans its whole storage ("whole": the call's view
-        # must start there too), else None (the call's offset is a runtime input).
+        # must start there too), else None (the call's offset is a runtime input): see
+        # runtime/inputs.py. A list of views is checked field by field over the whole list.
+        D, SZ, ST, OFF, SL = inputs.DTYPE, inputs.SIZES, inputs.STRIDES, inputs.OFFSET, inputs.SLOT
         for (i, kind), spec in zip(k.inputs, specs):
             if kind in _LISTS:
-                if spec and all(is_view_spec(s) for s in spec):
-                    whole = tuple(s[3] == 0 for s in spec)
-                    sids = [input_sids[s[4]] for s in spec]
-                    self.args.append((_VIEW_LIST, i, tuple(s[0] for s in spec), tuple(s[1] for s in spec),
-                                      tuple(s[2] for s in spec), True if all(whole) else whole,
-                                      tuple(s[0].itemsize for s in spec), sids,
-                                      [(*storages[s[4]], device) for s in spec],
+                if spec and all(is_view(s) for s in spec):
+                    whole = tuple(s[OFF] == 0 for s in spec)
+                    sids = [input_sids[s[SL]] for s in spec]
+                    self.args.append((_VIEW_LIST, i, tuple(s[D] for s in spec), tuple(s[SZ] for s in spec),
+                                      tuple(s[ST] for s in spec), True if all(whole) else whole,
+                                      tuple(s[D].itemsize for s in spec), sids,
+                                      [(*storages[s[SL]], device) for s in spec],
                                       sids == list(range(sids[0], sids[0] + len(sids)))))
                 elif spec and all(t.__class__ is type for t in spec):
                     self.args.append((_SCALAR_LIST, i, spec))
                 else:
                     self.args.append((_LIST, i, spec, input_sids))
-            elif is_view_spec(spec):
-                dtype, sizes, strides, offset, slot = spec
-                self.args.append((_VIEW, i, dtype, sizes, strides, offset == 0, input_sids[slot], storages[slot]))
+            elif is_view(spec):
+                slot = spec[SL]
+                self.args.append((_VIEW, i, spec, input_sids[slot], storages[slot]))
             else:
                 self.args.append((_OTHER, i, spec, input_sids))
         self.random = k.lowering.random
@@ -709,7 +687,7 @@ class _OpCheck:
         self.aliased = exe.aliased   # a written view shares its storage with another argument
         # Whether a replayed call keeps its call site for device-check errors (checks are known
         # once the executable was traced, which a plan's first run does).
-        checks = exe.traced.checks
+        checks = exe.checks
         self.maybe_checked = checks is None or bool(checks)
 
 
@@ -833,7 +811,7 @@ def _interpret(ops, current, runtime, call):
         for slot in exe.writes:
             current[input_sids[slot]] = results[k]
             k += 1
-        if exe.traced.checks:   # known once traced: by the call just made
+        if exe.checks:   # known once traced: by the call just made
             found.append((n, results[k]))
     return found
 
@@ -985,7 +963,7 @@ def _compile(seg, device, sample):
         seg.state = "ready"
         metrics.region_compiles += 1
         # Custom kernels (torchneuron.kernel) are named with their namespace, ATen ops not.
-        metrics.custom_kernel_compiles.update({exe.op_name for exe, *_ in seg.ops if "::" in exe.op_name})
+        metrics.custom_kernel_compiles.update({exe.name for exe, *_ in seg.ops if "::" in exe.name})
     seconds = time.perf_counter() - start
     metrics.region_compile_seconds += seconds
     budget.settle(len(seg.ops), seconds)
@@ -1095,10 +1073,7 @@ def region_cache_size() -> int:
 
 
 def _reads_storage(specs) -> bool:
-    for s in specs:
-        if isinstance(s, tuple) and s and (s[0].__class__ is torch.dtype or _reads_storage(s)):
-            return True
-    return False
+    return next(views(specs), None) is not None
 
 
 region = Region()

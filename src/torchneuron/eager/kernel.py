@@ -27,7 +27,6 @@ import time
 import warnings
 
 import jax
-import numpy as np
 import torch
 from jax._src import config as jax_config
 
@@ -43,43 +42,15 @@ from ..ops.signature import (
     TENSOR,
     TENSOR_LIST,
     OpSignature,
-    cast_and_broadcast,
-    read_input,
 )
-from ..runtime import deferred, executable_store, layout, memory, pjrt, rng, sites
+from ..runtime import executable_store, inputs, layout, memory, pjrt, rng, sites
 from ..runtime.device import DeviceMismatch, current_device, device_mismatch_error
 from ..runtime.dtypes import device_dtype, dtype_name, jax_dtype, torch_dtype
-from ..runtime.values import offset_array, scalar_array
+from ..runtime.executable import Executable
+from ..runtime.inputs import Inputs, is_view
 from . import argument_checks, oracle
 
 _records = memory.allocator.records
-
-
-class Executable:
-    __slots__ = ("traced", "call", "out_specs", "outputs", "writes", "op_name", "key", "reason", "single",
-                 "single_checked", "aliased")
-
-    def __init__(self, traced, out_specs, writes, op_name, key=None, reason=None):
-        self.traced = traced          # the pure function of (buffers..., runtime values...)
-        self.call = None              # its compiled form, made on the first plain-eager call
-        self.out_specs = out_specs    # per new output: (torch dtype, sizes, strides) or None
-        # The same, as layouts the allocator wraps results in without recomputing anything.
-        self.outputs = tuple(None if spec is None else memory.output_layout(*spec) for spec in out_specs)
-        self.writes = writes          # buffer slots written (returned after the new outputs)
-        self.op_name = op_name
-        self.key = key                # the cache key (what decides this program)
-        self.reason = reason          # why it was needed: "new op", "new shape", ...
-        self.single = False           # the op returns exactly one new output and writes nothing
-        self.single_checked = False   # the same, plus the outcome of its device checks (ops/checks)
-        # A written tensor shares its storage with another argument: each call checks the overlap
-        # (``x[:9].copy_(x[9:])`` and ``x[:9].copy_(x[1:10])`` have one key, their offsets differ).
-        self.aliased = False
-
-    def split_single(self) -> None:
-        """Once its device checks are known (traced or loaded): their outcome is one more result,
-        so a checked single-output op takes its own shortcut."""
-        if self.single and self.traced.checks:
-            self.single, self.single_checked = False, True
 
 
 # The adaptive-eager recorder while that mode is on (see eager/adaptive.py), else None.
@@ -147,7 +118,7 @@ class Kernel(OpSignature):
             index_of = self.index_of
             for name, v in kwargs.items():
                 values[index_of[name]] = v
-        ctx = _KeyContext()
+        ctx = Inputs()
         specs = []
         try:   # costs nothing unless raised (Python 3.11)
             for i, kind in self.inputs:
@@ -195,7 +166,7 @@ class Kernel(OpSignature):
         if exe.single:   # one new output, nothing written: most ops
             return memory.allocator.new_output(exe.outputs[0], results[0], device_index)
         if exe.single_checked:   # the same with device checks (x[idx], gather...): their outcome last
-            exe.traced.report(results[1], sites.place(sys._getframe()))
+            exe.report(results[1], sites.place(sys._getframe()))
             return memory.allocator.new_output(exe.outputs[0], results[0], device_index)
         new_output = memory.allocator.new_output
         outs = []
@@ -207,12 +178,9 @@ class Kernel(OpSignature):
             outs.append(new_output(out, results[k], device_index))
             k += 1
         if exe.writes:
-            addrs = ctx.addrs
-            for slot in exe.writes:
-                _records[addrs[slot]].buf = results[k]
-                k += 1
-        if exe.traced.checks:   # value-dependent checks (index bounds...): the last result
-            exe.traced.report(results[k], sites.place(sys._getframe()))
+            k = exe.take_writes(results, k, ctx.addrs)
+        if exe.checks:   # value-dependent checks (index bounds...): the last result
+            exe.report(results[k], sites.place(sys._getframe()))
         return self.returned(outs, values)
 
     def device_error(self, values, t, device_index) -> RuntimeError:
@@ -273,12 +241,12 @@ class Kernel(OpSignature):
         # inputs (None for a tensor without elements: nothing to write).
         positions = self._input_positions(specs)
         write_targets = [positions.get((i, pos)) for i, pos, _ in mutated]
-        writes = tuple(dict.fromkeys(target[1][4] for target in write_targets if target is not None))
+        writes = tuple(dict.fromkeys(target[1][inputs.SLOT] for target in write_targets if target is not None))
         promote_dtype = None
         if self.promote_idx is not None:
             promote_dtype = self.promotion_dtype(values, new_meta)
         traced = _Traced(self, specs, values, out_specs, write_targets, writes, promote_dtype, ctx)
-        exe = Executable(traced, out_specs, writes, self.short_name)
+        exe = Executable(None, self.short_name, writes, traced.mode, traced=traced, out_specs=out_specs)
         exe.aliased = aliased
         exe.single = (not writes and len(out_specs) == 1 and out_specs[0] is not None
                       and not self.returns_list and self.return_sources == [None])
@@ -292,7 +260,7 @@ class Kernel(OpSignature):
         for (i, kind), spec in zip(self.inputs, specs):
             items = spec if kind in (TENSOR_LIST, OPT_TENSOR_LIST) and spec is not None else (spec,)
             for pos, s in enumerate(items):
-                if is_view_spec(s):
+                if is_view(s):
                     found[(i, pos)] = (n, s)
                 n += 1
         return found
@@ -484,84 +452,6 @@ def _freeze(v):
     return v
 
 
-def is_view_spec(spec) -> bool:
-    """The spec describes a view of a storage buffer (not a scalar, an empty tensor, None...)."""
-    return spec.__class__ is tuple and len(spec) == 5 and spec[0].__class__ is torch.dtype
-
-
-class _KeyContext:
-    """Collects the buffers, runtime values and device of one call while its key is built."""
-
-    __slots__ = ("bufs", "addrs", "slots", "runtime", "device_index", "storages")
-
-    def __init__(self):
-        self.bufs = []       # flat buffer of each storage the inputs live on, in slot order
-        self.addrs = []      # and its address
-        self.slots = {}      # address -> slot
-        self.runtime = []    # runtime inputs: scalars, view offsets, 0-d CPU tensors, RNG seeds
-        self.device_index = None
-        # (numel, dtype) of each storage buffer: executables are compiled for exact buffer avals,
-        # and two views with equal layouts can sit on storages of different sizes.
-        self.storages = []
-
-    def tensor(self, t):
-        """The key part of one tensor argument: (dtype, sizes, strides, offset, buffer slot), where
-        offset is 0 for a view that starts its storage and spans all of it, else None (a runtime
-        input: ``x[i]`` and ``x[j]`` share an executable)."""
-        try:
-            addr = t.data_ptr()
-        except AttributeError:
-            # The dispatcher hands "wrapped numbers" (x * 2) to Python kernels as plain scalars.
-            self.runtime.append(scalar_array(t))
-            return t.__class__
-        rec = _records.get(addr)
-        if rec is not None:               # data_ptr() is a storage's start: offset 0
-            nbytes = t.nbytes
-            if nbytes == rec.nbytes:
-                offset = 0
-            elif nbytes == 0:
-                return ("empty", t.dtype, tuple(t.shape))
-            else:
-                offset = None
-                self.runtime.append(offset_array(0))
-        else:
-            addr = t.untyped_storage().data_ptr()
-            rec = _records.get(addr)
-            if rec is None or t.nbytes == 0:
-                return self._unusual_tensor(t)
-            offset = None
-            self.runtime.append(offset_array(t.storage_offset()))
-        if self.device_index is None:
-            self.device_index = rec.device_index
-        elif rec.device_index != self.device_index:
-            raise device_mismatch_error(t, self.device_index)
-        slot = self.slots.get(addr)
-        if slot is None:
-            slot = self.slots[addr] = len(self.bufs)
-            buf = rec.buf
-            self.bufs.append(buf if buf is not None else memory.empty_buffer(rec))
-            self.addrs.append(addr)
-            self.storages.append((rec.numel, rec.dtype))
-        return (t.dtype, t.shape, t.stride(), offset, slot)
-
-    def _unusual_tensor(self, t):
-        if t.device.type == "neuron":
-            if t.numel() == 0:
-                return ("empty", t.dtype, tuple(t.shape))
-            memory.record_of(t)  # raises the freed-storage error
-        if t.device.type == "cpu" and t.dim() == 0:
-            # A 0-dim CPU tensor is a scalar operand, as on CUDA.
-            self.runtime.append(np.asarray(t.item(), dtype=jax_dtype(t.dtype)))
-            return ("cpu-scalar", t.dtype)
-        raise device_mismatch_error(t, self.device_index if self.device_index is not None else current_device())
-
-    def scalar(self, v):
-        if isinstance(v, torch.Tensor):
-            return self.tensor(v)
-        self.runtime.append(scalar_array(v))
-        return v.__class__
-
-
 # -- why a compile happened ------------------------------------------------------------------------
 def _key_parts(key):
     """The parts of a cache key a compile reason names, each comparable on its own."""
@@ -570,11 +460,11 @@ def _key_parts(key):
     for (_, kind), spec in zip(kernel.inputs, specs):
         items = spec if kind in (TENSOR_LIST, OPT_TENSOR_LIST) and spec is not None else (spec,)
         for s in items:
-            if is_view_spec(s):
+            if is_view(s):
                 dtypes.append(s[0])
                 shapes.append(tuple(s[1]))
                 layouts.append((s[2], s[3], s[4]))
-            elif isinstance(s, tuple):       # ("empty", dtype, sizes), ("cpu-scalar", dtype)
+            elif isinstance(s, tuple):       # (EMPTY, dtype, sizes), (CPU_SCALAR, dtype)
                 dtypes.append(s[:2])
                 shapes.append(s[2:])
             else:                            # a scalar's Python type, or None
@@ -645,13 +535,6 @@ class _Traced:
         self.mode = config.device_checks
         self.checks = None
 
-    def report(self, outcome, site) -> None:
-        """Hand the outcome of this executable's device checks to the runtime (eager/adaptive)."""
-        if self.mode == "sync":
-            deferred.check_now(outcome, self.checks)
-        else:
-            deferred.defer(outcome, self.checks, site)
-
     def __call__(self, *flat):
         k = self.kernel
         bufs = flat[: self.nbufs]
@@ -663,12 +546,12 @@ class _Traced:
             if is_list and spec is not None:
                 items = []
                 for s in spec:
-                    value, offset = read_input(s, bufs, rt)
+                    value, offset = inputs.read(s, bufs, rt)
                     items.append(value)
                     offsets.append(offset)
                 values[i] = items
             else:
-                values[i], offset = read_input(spec, bufs, rt)
+                values[i], offset = inputs.read(spec, bufs, rt)
                 offsets.append(offset)
         key = None
         if k.lowering.random:
@@ -687,12 +570,9 @@ class _Traced:
             outputs.append(layout.to_layout(k.fit_output(value, dtype, sizes), sizes, strides))
         new_bufs = {}
         for target, value in zip(self.write_targets, mutated_vals):
-            if value is None or target is None:
-                continue
-            n, (dtype, sizes, strides, _, slot) = target
-            base = new_bufs.get(slot, bufs[slot])
-            value = cast_and_broadcast(value, dtype, sizes)
-            new_bufs[slot] = layout.write(base, value, jax_dtype(dtype), sizes, strides, offsets[n])
+            if value is not None and target is not None:
+                n, spec = target
+                inputs.write_back(new_bufs, bufs, spec, value, offsets[n])
         written = [new_bufs.get(slot, bufs[slot]) for slot in self.writes]
         return tuple(outputs) + tuple(written) + ((checks.pack(found),) if found else ())
 

@@ -17,12 +17,10 @@ import jax
 import numpy as np
 import torch
 
+from ..ops.signature import DTYPE, SCALAR, SCALAR_LIST, STATIC, TENSOR, TENSOR_LIST
 from ..runtime.dtypes import jax_dtype
 
 _serials = itertools.count()
-
-# What a body receives for each schema argument type.
-TENSOR, TENSOR_LIST, SCALAR, SCALAR_LIST, DTYPE, STATIC = range(6)
 
 
 class KernelError(RuntimeError):
@@ -30,6 +28,8 @@ class KernelError(RuntimeError):
 
 
 def arg_kind(arg) -> int:
+    """What a body receives for a schema argument: absent optionals arrive as None, so ``Tensor?``
+    is a TENSOR and ``Tensor?[]`` a TENSOR_LIST here."""
     t = str(arg.type)
     if t in ("Tensor", "Optional[Tensor]"):
         return TENSOR

@@ -10,7 +10,6 @@ module, so they agree on:
 * dtype promotion, calling the lowering (positional/keyword split, PRNG key, contiguity flag) and
   splitting its results into new values of mutated arguments and new outputs;
 * casting results to the dtypes PyTorch's meta functions give, and assembling what the op returns;
-* reading an executable's inputs from flat storage buffers (``read_input``).
 
 An ``OpSignature`` is built once per overload (eager: once per kernel); its methods run at trace
 or plan time, except ``bind`` and ``returned``, which eager runs on every call and which do only
@@ -24,8 +23,7 @@ import jax.numpy as jnp
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-from ..runtime import layout
-from ..runtime.dtypes import device_dtype, dtype_name, jax_dtype
+from ..runtime.dtypes import cast, device_dtype, dtype_name, jax_dtype
 from . import devices, registry
 from .registry import Lowering
 
@@ -33,8 +31,10 @@ from .registry import Lowering
 REQUIRED = object()
 
 # Argument kinds: what an argument becomes in an executable (a traced input, a runtime scalar, or a
-# compiled-in Python value).
-TENSOR, OPT_TENSOR, TENSOR_LIST, OPT_TENSOR_LIST, SCALAR, OPT_SCALAR, STATIC, GENERATOR = range(8)
+# compiled-in Python value). The one enumeration of them: ATen schemas use the first eight
+# (``kind_of``); custom kernels' bodies also tell ``Scalar[]`` and ``ScalarType`` arguments apart
+# (``kernels.body.arg_kind``).
+TENSOR, OPT_TENSOR, TENSOR_LIST, OPT_TENSOR_LIST, SCALAR, OPT_SCALAR, STATIC, GENERATOR, SCALAR_LIST, DTYPE = range(10)
 
 
 def kind_of(arg) -> int:
@@ -372,51 +372,6 @@ class OpSignature:
         raise RuntimeError(
             f"torchneuron: lowering of {self.name} produced shape {tuple(value.shape)}, "
             f"PyTorch expects {shape} (a bug in the lowering)")
-
-
-def cast_and_broadcast(value, dtype, shape):
-    """``value`` cast to ``dtype`` and broadcast to ``shape`` (the new value of a mutated tensor)."""
-    return jnp.broadcast_to(cast(jnp.asarray(value), dtype), tuple(shape))
-
-
-def cast(value, dtype):
-    """``value`` (a jax array or Python scalar) as ``dtype`` (torch or numpy), keeping complex
-    values complex when a real result is computed from them."""
-    target = jax_dtype(dtype) if isinstance(dtype, torch.dtype) else dtype
-    if isinstance(value, jax.Array) or hasattr(value, "dtype"):
-        if jnp.iscomplexobj(value) and not jnp.issubdtype(target, jnp.complexfloating):
-            # A real result of a complex input (abs, angle) is computed from the complex value:
-            # casting the input to the real result type would drop its imaginary part.
-            target = jnp.result_type(target, jnp.complex64)
-        return value if value.dtype == target else value.astype(target)
-    return jnp.asarray(value, dtype=target)
-
-
-# -- executable inputs ----------------------------------------------------------------------------
-# An executable receives the flat buffers of the storages its inputs live on, then runtime values
-# (Scalars, view offsets, 0-d CPU tensors, host inputs, RNG seeds). Each input is described by a
-# spec: a view (dtype, sizes, strides, storage offset, buffer slot, ...) whose offset is an int
-# (compiled in) or None (the next runtime value), a Python type (a runtime scalar), ("empty", dtype,
-# sizes), ("cpu-scalar", dtype) / ("host", dtype, sizes) (a runtime value), ("int", value) /
-# ("const", value) (compiled in), or None.
-def read_input(spec, bufs, runtime):
-    """(value, storage offset) of one input inside the traced executable (``runtime`` is an
-    iterator); the offset, static or traced, is None for inputs that are not views."""
-    if spec is None:
-        return None, None
-    if isinstance(spec, type):
-        return next(runtime), None
-    tag = spec[0]
-    if tag == "empty":
-        return jnp.zeros(spec[2], dtype=jax_dtype(spec[1])), None
-    if tag == "cpu-scalar" or tag == "host":
-        return next(runtime), None
-    if tag == "int" or tag == "const":
-        return spec[1], None
-    dtype, sizes, strides, offset, slot = spec[:5]
-    if offset is None:
-        offset = next(runtime)
-    return layout.read(bufs[slot], jax_dtype(dtype), sizes, strides, offset), offset
 
 
 # -- signatures for graphs ------------------------------------------------------------------------

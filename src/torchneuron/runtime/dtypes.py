@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -94,3 +95,21 @@ def device_dtype(dtype: torch.dtype, op_name: str) -> torch.dtype:
             f"torchneuron: {op_name} produced {dtype}; the neuron device runs it as {narrow} "
             "(set TORCHNEURON_FLOAT64=keep to keep 64-bit floats, or =error to make this an error).")
     return narrow
+
+
+def cast_and_broadcast(value, dtype, shape):
+    """``value`` cast to ``dtype`` and broadcast to ``shape`` (the new value of a mutated tensor)."""
+    return jnp.broadcast_to(cast(jnp.asarray(value), dtype), tuple(shape))
+
+
+def cast(value, dtype):
+    """``value`` (a jax array or Python scalar) as ``dtype`` (torch or numpy), keeping complex
+    values complex when a real result is computed from them."""
+    target = jax_dtype(dtype) if isinstance(dtype, torch.dtype) else dtype
+    if isinstance(value, jax.Array) or hasattr(value, "dtype"):
+        if jnp.iscomplexobj(value) and not jnp.issubdtype(target, jnp.complexfloating):
+            # A real result of a complex input (abs, angle) is computed from the complex value:
+            # casting the input to the real result type would drop its imaginary part.
+            target = jnp.result_type(target, jnp.complex64)
+        return value if value.dtype == target else value.astype(target)
+    return jnp.asarray(value, dtype=target)
