@@ -67,12 +67,13 @@ from ..runtime import inputs, memory, rng, sites
 from ..runtime.dtypes import jax_dtype
 from ..runtime.inputs import is_view, match_view, views
 from ..runtime.values import offset_array, scalar_array
-from . import kernel
+from . import kernel, key
+from .plan import sharding
 
 _records = memory.allocator.records
 PENDING = memory.PENDING
 _NOT_REPLAYED = kernel.NOT_REPLAYED
-_freeze = kernel._freeze
+_freeze = key.freeze
 _graph_task_id = torch._C._current_graph_task_id
 _LISTS = (TENSOR_LIST, OPT_TENSOR_LIST)
 _dtype_of = operator.attrgetter("dtype")
@@ -821,7 +822,7 @@ def _run_op(exe, bufs, runtime):
     call = exe.call
     if call is None:
         k = exe.key[0]
-        return k._first_call(exe, bufs, runtime, (), exe.key[4])
+        return k.first_call(exe, bufs, runtime, (), exe.key[4])
     metrics.cache_hits += 1
     return call(*bufs, *runtime)
 
@@ -841,7 +842,7 @@ def _fused(seg, device):
         seg.checked = tuple(n for n, _ in found)   # before seg.fn is set: the caller reads both
         return tuple(current[sid] for sid in out_sids) + tuple(outcome for _, outcome in found)
 
-    return jax.jit(run, out_shardings=kernel._sharding(device))
+    return jax.jit(run, out_shardings=sharding(device))
 
 
 # -- the background compiler ----------------------------------------------------------------------

@@ -105,9 +105,12 @@ class Inputs:
         elif rec.device_index != self.device_index:
             raise device_mismatch_error(t, self.device_index)
         slot = self.slots.get(addr)
-        if slot is None:
+        if slot is None:   # _add_storage, inlined: this runs for every tensor of every op
+            slot = self.slots[addr] = len(self.bufs)
             buf = rec.buf
-            slot = self._add_storage(addr, rec, buf if buf is not None else memory.empty_buffer(rec))
+            self.bufs.append(buf if buf is not None else memory.empty_buffer(rec))
+            self.addrs.append(addr)
+            self.storages.append((rec.numel, rec.dtype))
         return (t.dtype, t.shape, t.stride(), offset, slot)
 
     def _add_storage(self, addr, rec, buf) -> int:
