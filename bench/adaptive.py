@@ -181,19 +181,19 @@ def breakdown(loop, args):
     c.run(5, False)
     torchneuron.config.adaptive_compile_budget = budget
     captured = []
-    run = adaptive._run
+    run = adaptive.run.run_region
 
     def capture(plan, external, runtime, outcomes):
         captured.append((plan, list(external), list(runtime)))
         return run(plan, external, runtime, outcomes)
 
-    adaptive._run = capture
+    adaptive.run.run_region = capture
     overlap = torchneuron.config.adaptive_overlap
-    torchneuron.config.adaptive_overlap = False   # every region through _run, at its cut
+    torchneuron.config.adaptive_overlap = False   # every region through run_region, at its cut
     try:
         c.run(1, False)
     finally:
-        adaptive._run = run
+        adaptive.run.run_region = run
         torchneuron.config.adaptive_overlap = overlap
     rows = []
     for plan, external, runtime in captured:
@@ -227,11 +227,11 @@ def breakdown(loop, args):
         cpu.run(args.steps, True)
         plain.run(args.steps, True)
         c.run(args.steps, True)
-        adaptive._run = no_execution
+        adaptive.run.run_region = no_execution
         try:
             skipped.run(args.steps, True)
         finally:
-            adaptive._run = run
+            adaptive.run.run_region = run
     parts = ", ".join(f"{n} ops {t * 1e3:.2f} ms" if t is not None else f"{n} ops (not fused)" for n, t in rows)
     total = sum(t for _, t in rows if t is not None)
     step, without = statistics.median(c.samples), statistics.median(skipped.samples)

@@ -224,14 +224,14 @@ def test_first_occurrence_runs_op_by_op_then_fused_once_compiled():
 @pytest.mark.usefixtures("adaptive")
 def test_user_thread_never_waits_for_a_region_compile(monkeypatch):
     release, started = threading.Event(), threading.Event()
-    build = adaptive_mode._fused
+    build = adaptive_mode.compiler._fused
 
     def slow_fused(seg, device):
         started.set()
         release.wait(60)
         return build(seg, device)
 
-    monkeypatch.setattr(adaptive_mode, "_fused", slow_fused)
+    monkeypatch.setattr(adaptive_mode.compiler, "_fused", slow_fused)
     x = torch.ones(4).to("neuron")
     try:
         for i in range(6):
@@ -252,7 +252,7 @@ def test_compile_failure_keeps_the_region_running_op_by_op(monkeypatch):
     def broken(seg, device):
         raise RuntimeError("simulated compiler failure")
 
-    monkeypatch.setattr(adaptive_mode, "_fused", broken)
+    monkeypatch.setattr(adaptive_mode.compiler, "_fused", broken)
     x = torch.arange(4.0).to("neuron")
     for _ in range(4):
         assert (x + 1).mul(2).tolist() == [2.0, 4.0, 6.0, 8.0]
@@ -269,7 +269,7 @@ def test_a_region_that_fails_to_run_leaves_its_results_unreadable_with_a_clear_e
     x = torch.arange(3.0).to("neuron")
     y = x * 2
     with monkeypatch.context() as patch:
-        patch.setattr(adaptive_mode, "_run_op", failing)
+        patch.setattr(adaptive_mode.run, "run_op", failing)
         with pytest.raises(RuntimeError, match="simulated device failure"):
             y.cpu()
     with pytest.raises(RuntimeError, match="never computed.*simulated device failure"):
@@ -296,7 +296,7 @@ def test_regions_that_keep_changing_stop_being_compiled():
 @pytest.mark.usefixtures("adaptive")
 def test_background_compiles_wait_for_their_share_of_the_run_time(monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr(adaptive_mode, "_now", lambda: clock[0])
+    monkeypatch.setattr(adaptive_mode.compiler, "_now", lambda: clock[0])
     monkeypatch.setattr(torchneuron.config, "adaptive_compile_budget", 0.1)
     budget = adaptive_mode.budget
     budget.stop()
@@ -588,7 +588,7 @@ def _compile_gather_region(x):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "op-by-op"])
 def test_device_check_errors_of_a_replayed_region_name_the_line_of_that_occurrence(fused, monkeypatch):
     if not fused:   # the region replays but its segment keeps running op by op
-        monkeypatch.setattr(adaptive_mode, "_fused", lambda seg, device: 1 / 0)
+        monkeypatch.setattr(adaptive_mode.compiler, "_fused", lambda seg, device: 1 / 0)
     x = _GX.to("neuron")
     _compile_gather_region(x)
     hits, replayed = m("region_cache_hits"), m("region_replayed_ops")

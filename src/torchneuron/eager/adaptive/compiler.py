@@ -1,0 +1,173 @@
+"""The background compiler of adaptive eager: fused executables of repeated plans' segments,
+compiled on a low-priority thread within a CPU-time budget."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+
+import jax
+
+from ...config import config
+from ...metrics import metrics
+from ..plan import sharding
+from . import plans
+
+
+def _trace_op(exe, bufs, runtime):
+    time.sleep(0)   # tracing holds the GIL: let the user's thread in between ops
+    return exe.traced(*bufs, *runtime)
+
+
+def _fused(seg, device):
+    ops, in_sids, out_sids = seg.ops, seg.in_sids, seg.out_sids
+    n_in = len(in_sids)
+
+    def run(*flat):
+        current = dict(zip(in_sids, flat[:n_in]))
+        found = plans.interpret(ops, current, flat[n_in:], _trace_op)
+        seg.checked = tuple(n for n, _ in found)   # before seg.fn is set: the caller reads both
+        return tuple(current[sid] for sid in out_sids) + tuple(outcome for _, outcome in found)
+
+    return jax.jit(run, out_shardings=sharding(device))
+
+
+# -- the background compiler ----------------------------------------------------------------------
+_now = time.perf_counter
+
+
+class CompileBudget:
+    """Background compiles take CPU time from the program (on a two-core machine, from its own
+    threads). They may use at most ``config.adaptive_compile_budget`` of the time adaptive mode has
+    been on: a token bucket filling at that rate (capped, so a long run cannot save up a burst)
+    that a compile draws from at its estimated cost when queued, corrected by its measured wall time
+    when done. So a region compiles only once the program has run long enough to afford it, and
+    background compiles cannot slow any stretch of the program down by much more than that share."""
+
+    CAPACITY = 3.0   # seconds of compile the bucket holds; a costlier compile waits for a full bucket
+    FIRST_SCALE = 4.0
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        self.tokens = 0.0
+        self.since = None        # when adaptive mode was last switched on (None: it is off)
+        # Measured / modelled compile seconds, averaged. Until a compile has been measured, assume a
+        # busy machine: the first compile waits for that much run time, so it cannot slow the
+        # program's first seconds (at load ~9 on two cores an 8-op region took 1.3-1.9 s, against
+        # the quiet fit's 0.38 s); the first measurement replaces the guess.
+        self.scale = self.FIRST_SCALE
+        self.measured = False
+
+    def start(self):
+        with self.lock:
+            if self.since is None:
+                self.since = _now()
+
+    def stop(self):
+        with self.lock:
+            self._fill()
+            self.since = None
+
+    def _fill(self):
+        if self.since is not None:
+            now = _now()
+            self.tokens = min(self.CAPACITY, self.tokens + (now - self.since) * config.adaptive_compile_budget)
+            self.since = now
+
+    def estimate(self, n_ops: int) -> float:
+        return (0.3 + 0.01 * n_ops) * self.scale   # seconds; fitted to XLA:CPU region compiles
+
+    def take(self, n_ops: int) -> bool:
+        """Draw the estimated cost of compiling ``n_ops`` ops, if the bucket affords it."""
+        if config.adaptive_compile_budget >= 1:
+            return True
+        cost = self.estimate(n_ops)
+        with self.lock:
+            self._fill()
+            if self.tokens < min(cost, self.CAPACITY):
+                return False
+            self.tokens -= cost
+            return True
+
+    def settle(self, n_ops: int, seconds: float):
+        """A compile finished: charge what it really took instead of the estimate."""
+        with self.lock:
+            estimate = self.estimate(n_ops)
+            if config.adaptive_compile_budget < 1:
+                self.tokens -= seconds - estimate
+            ratio = self.scale * seconds / estimate
+            self.scale = 0.7 * self.scale + 0.3 * ratio if self.measured else ratio
+            self.measured = True
+
+
+budget = CompileBudget()
+_jobs: queue.Queue = queue.Queue()
+_pending = 0
+_idle = threading.Condition()
+_worker = None
+_closing = False
+
+
+def submit(seg, device, sample):
+    global _pending, _worker
+    seg.state = "compiling"
+    with _idle:
+        _pending += 1
+        if _worker is None:
+            _worker = threading.Thread(target=_compile_loop, name="torchneuron-region-compiler", daemon=True)
+            _worker.start()
+    _jobs.put((seg, device, sample))
+
+
+def _compile_loop():
+    global _pending
+    with contextlib.suppress(OSError, AttributeError):
+        # Linux threads have their own nice value: the user's thread keeps the CPU first.
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)
+    while True:
+        seg, device, sample = _jobs.get()
+        if not _closing:
+            _compile(seg, device, sample)
+        with _idle:
+            _pending -= 1
+            _idle.notify_all()
+
+
+def _compile(seg, device, sample):
+    start = time.perf_counter()
+    try:
+        fn = _fused(seg, device)
+        # Calling it (not lower().compile()) fills jit's C++ dispatch cache with the signature the
+        # user's thread will call it with; the run itself is a pure function's, its result unused.
+        fn(*sample)
+    except Exception as err:   # the region keeps running op by op; the reason is counted
+        seg.error = f"{type(err).__name__}: {err}"
+        seg.state = "compile failed"
+    else:
+        seg.fn = fn
+        seg.state = "ready"
+        metrics.region_compiles += 1
+        # Custom kernels (torchneuron.kernel) are named with their namespace, ATen ops not.
+        metrics.custom_kernel_compiles.update({exe.name for exe, *_ in seg.ops if "::" in exe.name})
+    seconds = time.perf_counter() - start
+    metrics.region_compile_seconds += seconds
+    budget.settle(len(seg.ops), seconds)
+
+
+def wait_for_compiles(timeout: float | None = None) -> bool:
+    """Block until every queued region compile finished (tests, benchmarks); False on timeout."""
+    with _idle:
+        return _idle.wait_for(lambda: _pending == 0, timeout)
+
+
+def close() -> None:
+    """At exit: queued compiles are dropped; one in flight finishes first."""
+    global _closing
+    _closing = True
+    wait_for_compiles()

@@ -1,0 +1,141 @@
+"""Running a region at its cut: fused segments where compiled, else op by op through plain eager's
+executables; and the worker thread on which a fused run overlaps the program (``adaptive_overlap``)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+from ...config import config
+from ...metrics import metrics
+from ...runtime import memory
+from . import compiler, plans
+
+
+def run_region(plan, external, runtime, outcomes):
+    """Run one occurrence of ``plan``: each segment fused if its executable is ready, else op by op
+    (queuing its compile when the plan has repeated enough). Returns the buffers of ``plan.live``;
+    appends (op position, outcome) of the ops' device checks to ``outcomes``, in op order."""
+    plan.seen += 1
+    direct = plan.direct
+    fn = direct.fn if direct is not None else None
+    if fn is not None:   # one fused executable taking the region's inputs, returning its results
+        metrics.region_cache_hits += 1
+        results = fn(*external, *runtime)
+        if direct.checked:
+            outcomes.extend(zip(direct.checked, results[len(plan.live):]))
+        return results
+    current = dict(zip(plan.external_sids, external))
+    split = len(plan.segments) > 1
+    for seg in plan.segments:
+        rt = runtime[seg.rt_start:seg.rt_stop]
+        fn = seg.fn
+        if fn is not None:
+            metrics.region_cache_hits += 1
+            results = fn(*[current[sid] for sid in seg.in_sids], *rt)
+            current.update(zip(seg.out_sids, results))
+            if seg.checked:
+                start = seg.start
+                outcomes.extend((start + n, outcome)
+                                for n, outcome in zip(seg.checked, results[len(seg.out_sids):]))
+        else:
+            reason = seg.state
+            if reason is None:
+                if plan.seen < config.adaptive_compile_after:
+                    reason = "first sighting"
+                elif plans.churning():
+                    reason = "regions keep changing"
+                elif not compiler.budget.take(len(seg.ops)):
+                    reason = "waiting for compile budget"
+                else:
+                    reason = "compiling"
+                    compiler.submit(seg, plan.device, [current[sid] for sid in seg.in_sids] + list(rt))
+            metrics.region_unfused[reason] += 1
+            found = plans.interpret(seg.ops, current, rt, run_op)
+            if found:
+                start = seg.start
+                outcomes.extend((start + n, outcome) for n, outcome in found)
+        if split:
+            current = {sid: current[sid] for sid in seg.carry}
+    return [current[sid] for sid in plan.live]
+
+
+def run_op(exe, bufs, runtime):
+    """One recorded op through its per-op executable, exactly as plain eager runs it."""
+    call = exe.call
+    if call is None:
+        k = exe.key[0]
+        return k.first_call(exe, bufs, runtime, (), exe.key[4])
+    metrics.cache_hits += 1
+    return call(*bufs, *runtime)
+
+
+# -- fused runs overlapping the program ----------------------------------------------------------
+# Cuts after which the program goes on without reading anything the region computes: its fused run
+# may overlap what follows. Every other cut (host reads and writes, synchronize, fallbacks,
+# collectives, mode and settings changes, exit) joins it and runs the region before returning.
+OVERLAPPING = frozenset({"backward end", "before optimizer step", "optimizer step", "size limit"})
+
+
+class InFlight:
+    """A fused run on the worker thread: the records of its results (in ``plan.live`` order), their
+    positions by storage address (in the same order), and its results or error once ``latch`` is
+    released."""
+
+    __slots__ = ("latch", "recs", "index", "wanted", "checks", "results", "error")
+
+    def __init__(self, recs, index):
+        self.latch = threading.Lock()
+        self.latch.acquire()
+        self.recs, self.index = recs, index
+        self.wanted = set()       # positions of results the region being recorded reads
+        self.checks = None        # (ops, their call sites, positions of checked ops) to report at the join
+        self.results = self.error = None
+
+
+class Deferred:
+    """An input of the region being recorded that the run in flight produces."""
+
+    __slots__ = ("run", "i")
+
+    def __init__(self, run, i):
+        self.run, self.i = run, i
+
+    def resolve(self):
+        run = self.run
+        if run.results is None:   # it failed (the error was raised when it was joined)
+            return memory.Unavailable(f"{type(run.error).__name__}: {run.error}".splitlines()[0])
+        return run.results[self.i]
+
+
+_runs: queue.SimpleQueue = queue.SimpleQueue()
+_runner = None
+
+
+def overlap(fn, external, runtime, h):
+    global _runner
+    if _runner is None:
+        _runner = threading.Thread(target=_run_loop, name="torchneuron-region-runner", daemon=True)
+        _runner.start()
+    _runs.put((fn, external, runtime, h))
+    return h
+
+
+def _run_loop():
+    while True:
+        fn, external, runtime, h = _runs.get()
+        try:
+            h.results = fn(*external, *runtime)   # XLA runs it without the GIL
+        except BaseException as err:   # raised in the user's thread when the run is joined
+            h.error = err
+        h.latch.release()
+        # Not kept while waiting for the next run: the inputs' buffers (a step's old parameters and
+        # moments) go as soon as their storages have newer ones.
+        fn = external = runtime = h = None
+
+
+def reset_after_fork() -> None:
+    """The worker thread is gone in a forked child (which may not use the device, runtime/fork.py):
+    its exit must not wait for a run that will never finish."""
+    global _runner, _runs
+    _runner, _runs = None, queue.SimpleQueue()
