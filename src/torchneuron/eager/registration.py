@@ -68,27 +68,49 @@ def _lowered_kernel(rec):
     return OutKernel(overload, _kernels[rec.functional])
 
 
+def _host_indices(kernel, policy):
+    if policy.masked_fill is None:
+        return host_ops.make_index(kernel)
+    return host_ops.make_index_put(kernel, _kernels[policy.masked_fill])
+
+
+def _checked_errors(kernel, policy):
+    return host_ops.make_check_errors(kernel, *policy.checked_errors)
+
+
+def _math_bits(kernel, policy):
+    return _resolving_math_bits(kernel, policy.math_bits)
+
+
+def _copy_math_bits(kernel, policy):
+    return _copy_with_math_bits(kernel)
+
+
+# ``EagerPolicy.wrappers()`` name -> fn(kernel, policy): the kernel with that special case around it.
+WRAPPERS = {"host_indices": _host_indices, "checked_errors": _checked_errors, "math_bits": _math_bits,
+            "copy_math_bits": _copy_math_bits}
+
+
 def _eager_kernel(rec):
     """The record's kernel, with its special cases wrapped around it (in EagerPolicy's order)."""
-    policy, name = rec.policy, rec.name
     if rec.kernel == oprecord.METADATA:
-        kernel = _redispatch_cpu(aten_overload(name))
+        kernel = _redispatch_cpu(aten_overload(rec.name))
     elif rec.kernel == oprecord.RUNTIME_LR:
-        kernel = _runtime_lr(_kernels[policy.via])
+        kernel = _runtime_lr(_kernels[rec.policy.via])
     elif rec.kernel in (oprecord.LOWERED, oprecord.INPLACE, oprecord.OUT):
-        kernel = _kernels[name]
+        kernel = _kernels[rec.name]
     else:
         kernel = hand_written(rec.kernel)
-    if policy.host_indices:
-        kernel = (host_ops.make_index(kernel) if policy.masked_fill is None
-                  else host_ops.make_index_put(kernel, _kernels[policy.masked_fill]))
-    if policy.checked_errors is not None:
-        kernel = host_ops.make_check_errors(kernel, *policy.checked_errors)
-    if policy.math_bits is not None:
-        kernel = _resolving_math_bits(kernel, policy.math_bits)
-    if policy.copy_math_bits:
-        kernel = _copy_with_math_bits(kernel)
+    for wrapper in rec.wrappers:
+        kernel = WRAPPERS[wrapper](kernel, rec.policy)
     return kernel
+
+
+def implementation(rec):
+    """What builds a record's kernel (a class or function), for ``torchneuron.where``."""
+    return {oprecord.LOWERED: Kernel, oprecord.INPLACE: Kernel, oprecord.OUT: OutKernel,
+            oprecord.METADATA: _redispatch_cpu, oprecord.RUNTIME_LR: _runtime_lr,
+            None: neuron_fallback}.get(rec.kernel) or hand_written(rec.kernel)
 
 
 def _kernel_table() -> dict:
