@@ -152,10 +152,10 @@ def _resolving_math_bits(kernel, read):
 
 
 def _copy_with_math_bits(copy_kernel):
-    """``copy_`` reads a source's lazy conj/neg bits (as the other ops of _MATH_BIT_FALLTHROUGH),
-    and into a destination with such a bit stores conj(src)/-src, so that it reads back src:
-    PyTorch's math-bit fallbacks run an in-place op on such a tensor (``x.conj().triu_()``) on a
-    resolved copy and write the result back with this ``copy_``."""
+    """``copy_`` reads a source's lazy conj/neg bits (as the ops with ``math_bits`` in
+    ``oprecord.EAGER``), and into a destination with such a bit stores conj(src)/-src, so that it
+    reads back src: PyTorch's math-bit fallbacks run an in-place op on such a tensor
+    (``x.conj().triu_()``) on a resolved copy and write the result back with this ``copy_``."""
     def copy_(self, src, non_blocking=False):
         if not (self.is_conj() or self.is_neg()):
             if src.is_conj() or src.is_neg():
