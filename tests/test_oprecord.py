@@ -115,6 +115,8 @@ def test_where_facts_of_special_cases():
     assert "'index' must be on the op's device" in index_add["device index"]
     assert where.facts("sym_size.int")["graph kind"].startswith("sym (torchneuron/ops/oprecord.py:")
     assert "i64" in where.facts("gelu.default")["dtype refusals"]
+    assert "out= shape" in where.facts("arange.out") and "out= dtype" in where.facts("sum.IntList_out")
+    assert "skips its decomposition" in where.facts("lift_fresh.default")["eager kernel"]
 
 
 def test_where_runs_as_a_module():

@@ -18,7 +18,7 @@ from torch._decomp import decomposition_table
 
 from . import ops  # noqa: F401  (every lowering module, filling the registry)
 from .config import config
-from .eager import argument_checks, registration
+from .eager import argument_checks, fallback, out_variants, registration
 from .ops import cpu_dtype_refusals, devices, oprecord
 from .ops.signature import aten_overload, is_composite_implicit
 from .runtime import autocast
@@ -50,7 +50,8 @@ def _line_of(module, needle: str) -> str:
     return _path(file)
 
 
-_NO_LOWERING = "none: no lowering, so a graph holding it fails to compile (a _foreach_ op runs element-wise)"
+_NO_LOWERING = ("none: no lowering: a graph node of it fails to compile (unless core-ATen decompositions "
+                "remove it; a _foreach_ op runs element by element)")
 _NO_GRAPH_KIND = {oprecord.OUT: "none: graphs hold the functional op (AOTAutograd functionalizes out= calls)"}
 
 
@@ -88,11 +89,20 @@ def facts(name: str, platform: str | None = None) -> dict[str, str]:
             text += f", defined at {defined}"
         flags = _flags(low)
         out["lowering"] = text + (f"  [{flags}]" if flags else "")
+    dispatcher_name = f"aten::{name.removesuffix('.default')}"
     if rec.kernel is None:
-        route = ("PyTorch decomposes it above the backend (CompositeImplicitAutograd)"
-                 if is_composite_implicit(overload) else
-                 "no kernel: the global fallback runs its decomposition, else the CPU kernel (counted)")
-        out["eager kernel"] = f"{route}, {location(registration.implementation(rec))}"
+        if is_composite_implicit(overload):
+            route = "PyTorch decomposes it above the backend (CompositeImplicitAutograd)"
+        elif dispatcher_name in fallback.SKIP_DECOMPOSITION:
+            route = (f"no kernel: the CPU kernel through the fallback, which skips its decomposition "
+                     f"({_line_of(fallback, _quoted(dispatcher_name))})")
+        elif overload in decomposition_table:
+            route = "no kernel: the fallback runs its decomposition (counted)"
+        else:
+            route = "no kernel: the CPU kernel through the fallback (counted, warned once)"
+        if not is_composite_implicit(overload):
+            route += f", {location(registration.implementation(rec))}"
+        out["eager kernel"] = route
     else:
         kind = rec.kernel if rec.kernel in (oprecord.LOWERED, oprecord.INPLACE, oprecord.OUT,
                                             oprecord.METADATA, oprecord.RUNTIME_LR) else "hand-written"
@@ -112,6 +122,11 @@ def facts(name: str, platform: str | None = None) -> dict[str, str]:
                                + (f"; wraps: {', '.join(wrappers)}" if wrappers else ""))
     if rec.functional is not None:
         out["derived from"] = f"{rec.functional} ({rec.lowered} variant, from the schema)"
+    if rec.kernel == oprecord.OUT and name.partition(".")[0] in out_variants.DTYPE_FROM_OUT:
+        out["out= dtype"] = f"out's dtype picks the result's ({_line_of(out_variants, 'DTYPE_FROM_OUT =')})"
+    if dispatcher_name in fallback.KEEP_OUT_SHAPE:
+        out["out= shape"] = (f"an out= of the result's element count keeps its shape "
+                             f"({_line_of(fallback, _quoted(dispatcher_name))})")
     if rec.variants:
         out["derived variants"] = ", ".join(rec.variants)
     arg, arg_op = rec.device_index, name.partition(".")[0].removesuffix("_")

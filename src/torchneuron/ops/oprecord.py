@@ -183,8 +183,8 @@ class OpRecord:
         kind = GRAPH_KINDS.get(self.name)
         if kind is not None:
             return kind
-        derived_inplace = self.kernel == INPLACE
-        return OP if self.lowering is not None or derived_inplace else None
+        # An in-place op runs its functional op's lowering in graphs too (signature_for).
+        return OP if self.lowering is not None or self.lowered == INPLACE else None
 
     def dtype_refusals(self) -> tuple[str, dict]:
         """(the table entry, its refused dtype signatures) of ops/cpu_dtype_refusals.py."""
