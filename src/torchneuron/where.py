@@ -20,6 +20,7 @@ from . import ops  # noqa: F401  (every lowering module, filling the registry)
 from .config import config
 from .eager import argument_checks, fallback, out_variants, registration
 from .ops import cpu_dtype_refusals, devices, oprecord
+from .ops.registry import Lowering
 from .ops.signature import aten_overload, is_composite_implicit
 from .runtime import autocast
 
@@ -60,10 +61,35 @@ def _quoted(name: str) -> str:
 
 
 def _flags(low) -> str:
-    defaults = oprecord.Lowering(name=low.name, fn=low.fn)
+    defaults = Lowering(name=low.name, fn=low.fn)
     flags = [f"{f}={getattr(low, f)!r}" for f in low.__dataclass_fields__
              if f not in ("name", "fn") and getattr(low, f) != getattr(defaults, f)]
     return ", ".join(flags)
+
+
+def _eager_kernel(rec, overload, dispatcher_name: str) -> str:
+    """What runs the op in eager mode, and where that is written."""
+    if rec.kernel is None:
+        if is_composite_implicit(overload):
+            return "PyTorch decomposes it above the backend (CompositeImplicitAutograd)"
+        if dispatcher_name in fallback.SKIP_DECOMPOSITION:
+            route = (f"no kernel: the CPU kernel through the fallback, which skips its decomposition "
+                     f"({_line_of(fallback, _quoted(dispatcher_name))})")
+        elif overload in decomposition_table:
+            route = "no kernel: the fallback runs its decomposition (counted)"
+        else:
+            route = "no kernel: the CPU kernel through the fallback (counted, warned once)"
+        return f"{route}, {location(registration.implementation(rec))}"
+    built_by = location(registration.implementation(rec))
+    if rec.kernel in (oprecord.LOWERED, oprecord.INPLACE, oprecord.OUT, oprecord.METADATA):
+        text = f"{rec.kernel}: {built_by}"
+    elif rec.kernel == oprecord.RUNTIME_LR:
+        text = f"{rec.kernel}: {built_by}, through {rec.policy.via}'s kernel"
+    else:
+        text = f"hand-written {rec.kernel}: {built_by}"
+    if rec.lowered is not None and rec.kernel != rec.lowered:
+        text += f" (in place of the {rec.lowered!r} kernel its lowering gives, which graphs use)"
+    return text
 
 
 def facts(name: str, platform: str | None = None) -> dict[str, str]:
@@ -90,30 +116,8 @@ def facts(name: str, platform: str | None = None) -> dict[str, str]:
         flags = _flags(low)
         out["lowering"] = text + (f"  [{flags}]" if flags else "")
     dispatcher_name = f"aten::{name.removesuffix('.default')}"
-    if rec.kernel is None:
-        if is_composite_implicit(overload):
-            route = "PyTorch decomposes it above the backend (CompositeImplicitAutograd)"
-        elif dispatcher_name in fallback.SKIP_DECOMPOSITION:
-            route = (f"no kernel: the CPU kernel through the fallback, which skips its decomposition "
-                     f"({_line_of(fallback, _quoted(dispatcher_name))})")
-        elif overload in decomposition_table:
-            route = "no kernel: the fallback runs its decomposition (counted)"
-        else:
-            route = "no kernel: the CPU kernel through the fallback (counted, warned once)"
-        if not is_composite_implicit(overload):
-            route += f", {location(registration.implementation(rec))}"
-        out["eager kernel"] = route
-    else:
-        kind = rec.kernel if rec.kernel in (oprecord.LOWERED, oprecord.INPLACE, oprecord.OUT,
-                                            oprecord.METADATA, oprecord.RUNTIME_LR) else "hand-written"
-        text = f"{kind}: {location(registration.implementation(rec))}"
-        if rec.kernel == oprecord.RUNTIME_LR:
-            text += f", through {rec.policy.via}'s kernel"
-        elif kind == "hand-written":
-            text = f"hand-written {rec.kernel}: {location(registration.implementation(rec))}"
-        if rec.lowered is not None and rec.kernel != rec.lowered:
-            text += f" (in place of the {rec.lowered!r} kernel its lowering gives, which graphs use)"
-        out["eager kernel"] = text
+    out["eager kernel"] = _eager_kernel(rec, overload, dispatcher_name)
+    if rec.kernel is not None:
         registered = name in registration.KERNELS
         out["registered"] = "yes, PrivateUse1" if registered else "no (another platform's config?)"
     if rec.name in oprecord.EAGER:
