@@ -1,6 +1,7 @@
 """One record per op (ops/oprecord.py): registration is a loop over the records, every fact about an
 op is reachable from its record, and ``python -m torchneuron.where`` says where each one lives."""
 
+import ast
 import os
 import subprocess
 import sys
@@ -125,3 +126,13 @@ def test_where_runs_as_a_module():
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "aten::add.Tensor" in done.stdout and "host_ops.nonzero" in done.stdout
+
+
+def test_registration_names_no_op_of_its_own():
+    """An eager special case is declared in ops/oprecord.py's EAGER, not as an override in
+    registration.py: the only op names there are the kernels its helpers call."""
+    tree = ast.parse(open(registration.__file__).read())
+    names = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+             and n.value.count(".") == 1 and " " not in n.value and n.value.split(".")[1][:1].isalpha()}
+    names = {n for n in names if n in registry.LOWERINGS or n in oprecord.EAGER}
+    assert names <= {"copy_.default", "_conj_physical.default", "neg.default"}, names
