@@ -32,7 +32,7 @@ import torch
 
 from ..config import config
 from ..metrics import metrics
-from ..ops import devices
+from ..ops import devices, oprecord
 from ..ops.signature import registry_name, signature_for
 from ..runtime import rng, sites, transfers
 from ..runtime.device import current_device
@@ -42,16 +42,6 @@ from .errors import NeuronCompileError, NodeFailure, lowering_error, metric_name
 from .foreach import foreach_plan
 from .interpreter import Interpreter, Step, call_signature
 from .outputs import OutputPlan
-
-# Nodes that only check metadata at trace time.
-_NOOPS = frozenset({
-    "_assert_tensor_metadata.default", "_assert_scalar.default", "_functional_assert_async.msg",
-    "_assert_async.default", "_assert_async.msg", "sym_constrain_range_for_size.default",
-    "sym_constrain_range.default", "_print.default",
-})
-# Ops whose value is a Python int known from the fake tensors (shapes are static).
-_SYM = frozenset({"sym_size.int", "sym_numel.default", "sym_stride.int", "sym_storage_offset.default"})
-_INDEX_PUT = frozenset({"index_put.default", "_unsafe_index_put.default", "_index_put_impl_.default"})
 
 
 class GraphProgram:
@@ -121,15 +111,16 @@ class GraphProgram:
                 missing.append((node, "only ATen operators can be lowered"))
                 continue
             name = registry_name(target) if target.namespace == "aten" else None
-            if name in _NOOPS:
+            kind = oprecord.GRAPH_KINDS.get(name)   # noop, sym, index_put (ops/oprecord.py)
+            if kind == oprecord.NOOP:
                 continue
-            if name in _SYM:
-                steps.append(Step(node, "sym"))
+            if kind == oprecord.SYM:
+                steps.append(Step(node, oprecord.SYM))
                 continue
             sig = signature_for(target, config.platform)
             if sig is not None:
                 devices.check_graph_node(sig, node)   # CPU index arguments, as in eager mode
-                steps.append(Step(node, "index_put" if name in _INDEX_PUT else "op", sig))
+                steps.append(Step(node, oprecord.INDEX_PUT if kind == oprecord.INDEX_PUT else oprecord.OP, sig))
                 continue
             if name is not None and name.startswith("_foreach_"):
                 # No lowering of the foreach op itself: lower it element by element.

@@ -2,8 +2,9 @@
 
 These are not lowerings (a compiled executable needs static shapes): each is a short composition
 of lowered ops that runs on neuron, with exactly one host read -- the positions where a new value
-starts (``nonzero``, counted as a device->host copy like every host read). ``registration``
-installs them next to ``host_ops``; under torch.compile these ops are graph breaks, as on CUDA.
+starts (``nonzero``, counted as a device->host copy like every host read). ``ops/oprecord.py``'s
+``EAGER`` names them (``"data_dependent.unique2"``), as it names ``host_ops``' kernels; under
+torch.compile these ops are graph breaks, as on CUDA.
 """
 
 from __future__ import annotations
@@ -136,13 +137,3 @@ def bincount(self, weights=None, minlength=0):
         values = weights.to(torch.float32 if weights.dtype == torch.float32 else torch.float64)
     return torch.zeros(size, dtype=values.dtype, device=self.device).index_add_(0, self.to(_LONG), values)
 
-
-KERNELS = {
-    "bincount.default": bincount,
-    "_unique2.default": unique2,
-    "_unique.default": unique,
-    "unique_dim.default": unique_dim,
-    "unique_consecutive.default": unique_consecutive,
-    "unique_dim_consecutive.default": unique_dim_consecutive,
-    "equal.default": equal,
-}

@@ -28,7 +28,7 @@ _warned: set[str] = set()
 
 # Decompositions that make things worse on this backend (they loop back to the same op, or
 # replace one executable with many tiny host-driven ones).
-_SKIP_DECOMPOSITION = {
+SKIP_DECOMPOSITION = {
     "aten::_to_copy", "aten::copy_", "aten::lift_fresh", "aten::item", "aten::_local_scalar_dense",
 }
 # ATen's kernels for these resize ``out`` only when its element count differs from the result's: an
@@ -36,7 +36,7 @@ _SKIP_DECOMPOSITION = {
 # order. PyTorch's Python references resize it to the result's shape, which rewrites a view's layout.
 # Factories whose out= keeps the out tensor's shape when the element counts match: the functional
 # overload that computes them.
-_KEEP_OUT_SHAPE = {
+KEEP_OUT_SHAPE = {
     "aten::linspace.out": torch.ops.aten.linspace.default,
     "aten::logspace.out": None,   # no lowering: PyTorch's decomposition, into a fresh out
     "aten::arange.out": torch.ops.aten.arange.default,
@@ -81,9 +81,9 @@ def neuron_fallback(op, *args, **kwargs):
 
 def _neuron_fallback(op, *args, **kwargs):
     name = op.name()
-    if name in _KEEP_OUT_SHAPE and op not in _active():
+    if name in KEEP_OUT_SHAPE and op not in _active():
         return _keep_out_shape(op, args, kwargs)
-    if name not in _SKIP_DECOMPOSITION:
+    if name not in SKIP_DECOMPOSITION:
         decomp = decomposition_table.get(op)
         active = _active()
         if decomp is not None and op not in active:
@@ -161,7 +161,7 @@ def _keep_out_shape(op, args, kwargs):
     active = _active()
     active.add(op)
     try:
-        functional = _KEEP_OUT_SHAPE[op.name()]
+        functional = KEEP_OUT_SHAPE[op.name()]
         if functional is None:
             value = decomposition_table[op](*args, **kwargs, dtype=out.dtype, **{name: out.new_empty(0)})
         else:

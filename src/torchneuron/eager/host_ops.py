@@ -126,16 +126,8 @@ def repeat_interleave_tensor(repeats: torch.Tensor, *, output_size=None) -> torc
 
 # The linalg ``*_ex`` ops with ``check_errors=True`` raise ATen's LinAlgError for a failed
 # factorisation: ATen's kernels read ``info`` back after the factorisation (a synchronisation, as
-# on CUDA). The lowerings return ``info``; this does the read and the check, with ATen's own texts.
-# overload name -> (api name in the message, index of info among the results)
-CHECKED_EX = {
-    "linalg_inv_ex": ("linalg.inv_ex", 1),
-    "linalg_cholesky_ex": ("linalg.cholesky_ex", 1),
-    "linalg_lu_factor_ex": ("torch.linalg.lu_factor_ex", 2),
-    "_linalg_solve_ex": ("torch.linalg.solve_ex", 3),
-}
-
-
+# on CUDA). The lowerings return ``info``; this does the read and the check, with ATen's own texts
+# (``api``, the name in the message, and ``info_index``, per op in ops/oprecord.py's EAGER).
 def make_check_errors(kernel, api: str, info_index: int):
     def checked(A, *args, **kwargs):
         result = kernel(A, *args, **kwargs)

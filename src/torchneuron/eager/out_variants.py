@@ -32,7 +32,7 @@ class OutKernel:
         # Reductions take their computation dtype from ``out`` when no ``dtype`` is given (ATen's
         # infer_dtype_from_optional): sum(float, out=int64) sums int64 values; torch.range computes in
         # out's dtype (linspace/logspace/arange: eager/fallback.py's _keep_out_shape).
-        self.dtype_from_out = (overload._schema.name.split("::", 1)[1] in _DTYPE_FROM_OUT
+        self.dtype_from_out = (overload._schema.name.split("::", 1)[1] in DTYPE_FROM_OUT
                                and "dtype" in getattr(functional_kernel, "index_of", ()))
 
     def __call__(self, *args, **kwargs):
@@ -60,7 +60,7 @@ class OutKernel:
         return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-_DTYPE_FROM_OUT = {"sum", "nansum", "prod", "cumsum", "cumprod", "range"}
+DTYPE_FROM_OUT = {"sum", "nansum", "prod", "cumsum", "cumprod", "range"}
 
 
 def check_out_devices(outs, device) -> None:

@@ -1,10 +1,13 @@
-"""Registers neuron (PrivateUse1) kernels with the PyTorch dispatcher.
+"""Registers neuron (PrivateUse1) kernels with the PyTorch dispatcher: one per op record.
 
-From the lowering table: each lowered overload, plus its in-place (``add_.Tensor``) and ``out=``
-(``add.out``) variants derived from the schema (``ops.signature``). By hand: allocation, copies,
-``.item()`` and resizes (``storage_ops``), data-dependent shapes (``host_ops``, ``data_dependent``),
-the metadata-only view ops (which reuse PyTorch's CPU kernels: they only build sizes/strides over
-the same storage), the fused RNN autograd kernels (``rnn``), and the global fallback.
+``ops.oprecord.records`` says, per ATen overload, which kernel it gets and which eager special
+cases wrap it; this module supplies their implementations and registers them in one loop. Kernels:
+``Kernel`` over a lowering, or over its functional op's lowering for a derived in-place variant
+(``add_.Tensor``), ``OutKernel`` for a derived ``out=`` variant (``add.out``), PyTorch's CPU kernel
+for the metadata-only view ops (they only build sizes/strides over the same storage), and kernels
+written by hand: allocation, copies, ``.item()`` and resizes (``storage_ops``), data-dependent
+shapes (``host_ops``, ``data_dependent``). Besides: the fused RNN autograd kernels (``rnn``) and
+the global fallback.
 """
 
 from __future__ import annotations
@@ -13,14 +16,8 @@ import torch
 
 from .. import ops  # noqa: F401  (imports every lowering module, filling the registry)
 from ..config import config
-from ..ops import registry
-from ..ops.signature import (
-    aten_overload,
-    is_composite_implicit,
-    lowers_in_eager,
-    registry_name,
-    variants_of,
-)
+from ..ops import oprecord, registry
+from ..ops.signature import aten_overload
 from . import data_dependent, host_ops, rnn, storage_ops
 from .fallback import neuron_fallback
 from .kernel import Kernel
@@ -28,14 +25,11 @@ from .out_variants import OutKernel
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _libs: list = []
-_kernels: dict[str, object] = {}
-
-# Ops whose CPU kernel only builds metadata on the same storage: they work unchanged on neuron.
-_METADATA_OPS = [
-    "view.default", "as_strided.default", "_reshape_alias.default", "unfold.default",
-    "view_as_real.default", "view_as_complex.default", "set_.source_Storage",
-    "set_.source_Storage_storage_offset", "as_strided_.default",
-]
+_kernels: dict[str, object] = {}   # the kernels lowerings give, before any special case wraps them
+# Every registered kernel: ATen overload name -> PrivateUse1 kernel (torchneuron.where reads it).
+KERNELS: dict[str, object] = {}
+# The modules of the kernels written by hand that ``oprecord.EAGER`` names ("host_ops.nonzero").
+HAND_WRITTEN = {"storage_ops": storage_ops, "host_ops": host_ops, "data_dependent": data_dependent}
 
 
 def _runtime_lr(tensor_lr_kernel):
@@ -59,79 +53,75 @@ def _redispatch_cpu(overload):
     return kernel
 
 
+def hand_written(kernel: str):
+    """The function a record's ``"<module>.<function>"`` kernel names."""
+    module, _, function = kernel.partition(".")
+    return getattr(HAND_WRITTEN[module], function)
+
+
+def _lowered_kernel(rec):
+    overload = aten_overload(rec.name)
+    if rec.lowered == oprecord.LOWERED:
+        return Kernel(overload, rec.lowering)
+    if rec.lowered == oprecord.INPLACE:
+        return Kernel(overload, registry.get(rec.functional), functional=aten_overload(rec.functional))
+    return OutKernel(overload, _kernels[rec.functional])
+
+
+def _host_indices(kernel, policy):
+    if policy.masked_fill is None:
+        return host_ops.make_index(kernel)
+    return host_ops.make_index_put(kernel, _kernels[policy.masked_fill])
+
+
+def _checked_errors(kernel, policy):
+    return host_ops.make_check_errors(kernel, *policy.checked_errors)
+
+
+def _math_bits(kernel, policy):
+    return _resolving_math_bits(kernel, policy.math_bits)
+
+
+def _copy_math_bits(kernel, policy):
+    return _copy_with_math_bits(kernel)
+
+
+# ``EagerPolicy.wrappers()`` name -> fn(kernel, policy): the kernel with that special case around it.
+WRAPPERS = {"host_indices": _host_indices, "checked_errors": _checked_errors, "math_bits": _math_bits,
+            "copy_math_bits": _copy_math_bits}
+
+
+def _eager_kernel(rec):
+    """The record's kernel, with its special cases wrapped around it (in EagerPolicy's order)."""
+    if rec.kernel == oprecord.METADATA:
+        kernel = _redispatch_cpu(aten_overload(rec.name))
+    elif rec.kernel == oprecord.RUNTIME_LR:
+        kernel = _runtime_lr(_kernels[rec.policy.via])
+    elif rec.kernel in (oprecord.LOWERED, oprecord.INPLACE, oprecord.OUT):
+        kernel = _kernels[rec.name]
+    else:
+        kernel = hand_written(rec.kernel)
+    for wrapper in rec.wrappers:
+        kernel = WRAPPERS[wrapper](kernel, rec.policy)
+    return kernel
+
+
+def implementation(rec):
+    """What builds a record's kernel (a class or function), for ``torchneuron.where``."""
+    return {oprecord.LOWERED: Kernel, oprecord.INPLACE: Kernel, oprecord.OUT: OutKernel,
+            oprecord.METADATA: _redispatch_cpu, oprecord.RUNTIME_LR: _runtime_lr,
+            None: neuron_fallback}.get(rec.kernel) or hand_written(rec.kernel)
+
+
 def _kernel_table() -> dict:
-    """ATen overload name -> PrivateUse1 kernel, for everything torchneuron implements."""
-    table = {}
-    for name, low in registry.LOWERINGS.items():
-        try:
-            overload = aten_overload(name)
-        except AttributeError:
-            raise RuntimeError(f"torchneuron: lowering registered for unknown op aten::{name}") from None
-        if not lowers_in_eager(low, overload, config.platform):
-            continue
-        table.setdefault(name, Kernel(overload, low))
-        if not low.derive_variants:
-            continue
-        inplace, out = variants_of(overload)
-        if inplace is not None and not is_composite_implicit(inplace):
-            iname = registry_name(inplace)
-            if iname not in registry.LOWERINGS:
-                table[iname] = Kernel(inplace, low, functional=overload)
-        if out is not None and not is_composite_implicit(out):
-            oname = registry_name(out)
-            if oname not in registry.LOWERINGS:
-                table[oname] = OutKernel(out, table[name])
-    _kernels.update(table)
-
-    # Data-dependent shapes and host-side decisions wrap or replace some of them.
-    table["index.Tensor"] = host_ops.make_index(table["index.Tensor"])
-    table["index_put.default"] = host_ops.make_index_put(table["index_put.default"], table["masked_fill.Tensor"])
-    for name in ("index_put_.default", "_index_put_impl_.default"):
-        table[name] = host_ops.make_index_put(table[name], table["masked_fill_.Tensor"])
-    table.update(data_dependent.KERNELS)
-    for name in ("_fused_adamw_", "_fused_adam_"):
-        if f"{name}.tensor_lr" in table:
-            table[f"{name}.default"] = _runtime_lr(table[f"{name}.tensor_lr"])
-    for name, (api, info_index) in host_ops.CHECKED_EX.items():
-        for variant in [n for n in table if n.split(".", 1)[0] == name]:   # functional and out=
-            table[variant] = host_ops.make_check_errors(table[variant], api, info_index)
-    table["nonzero.default"] = host_ops.nonzero
-    table["masked_select.default"] = host_ops.masked_select
-    table["_fused_sdp_choice.default"] = host_ops.fused_sdp_choice
-    table["repeat_interleave.Tensor"] = host_ops.repeat_interleave_tensor
-
-    storage_ops.device_copy_kernel = table["copy_.default"]
-    table["empty.memory_format"] = storage_ops.empty_memory_format
-    table["empty_strided.default"] = storage_ops.empty_strided
-    table["copy_.default"] = storage_ops.copy_
-    table["_to_copy.default"] = storage_ops.to_copy
-    table["_copy_from.default"] = storage_ops.copy_from
-    table["_local_scalar_dense.default"] = storage_ops.local_scalar_dense
-    table["resize_.default"] = storage_ops.resize_
-    # set_(tensor) shares the source's storage, set_() makes an empty one on the tensor's device
-    # (through CPU's kernels, set_(tensor) got a copy and set_() a CPU storage).
-    table["set_.source_Tensor"] = storage_ops.set_tensor_
-    table["set_.default"] = storage_ops.set_empty_
-    table["is_set_to.default"] = storage_ops.is_set_to
-    table["_lazy_clone.default"] = storage_ops.lazy_clone
-    for name in _METADATA_OPS:
-        table[name] = _redispatch_cpu(aten_overload(name))
-    for name, read in _MATH_BIT_FALLTHROUGH.items():
-        if name in table:
-            table[name] = _resolving_math_bits(table[name], read)
-    table["copy_.default"] = _copy_with_math_bits(table["copy_.default"])
-    return table
-
-
-# PyTorch lets these ops through its Conjugate/Negative fallbacks with a lazy conj/neg bit still set
-# on an input (CPU and CUDA fold it into the BLAS call); neuron reads raw storages, so it
-# materialises such inputs first. Checking the bits costs ~1 us per tensor, so only these pay it.
-_MATH_BIT_FALLTHROUGH = {   # op -> positions of the tensors it reads
-    "_copy_from.default": (0,), "clone.default": (0,), "mm.default": (0, 1),
-    "bmm.default": (0, 1), "dot.default": (0, 1), "vdot.default": (0, 1), "addmm.default": (0, 1, 2),
-    "addmm_.default": (0, 1, 2), "baddbmm.default": (0, 1, 2), "baddbmm_.default": (0, 1, 2),
-    "linalg_solve_triangular.default": (0, 1),
-}
+    """ATen overload name -> PrivateUse1 kernel, for every op record that has a kernel."""
+    records = oprecord.records(config.platform).values()
+    # Kernels over lowerings first: special cases and hand-written kernels use them.
+    for rec in records:
+        if rec.lowered is not None:
+            _kernels[rec.name] = _lowered_kernel(rec)
+    storage_ops.device_copy_kernel = _kernels["copy_.default"]   # copies between neuron tensors
+    return {rec.name: _eager_kernel(rec) for rec in records if rec.kernel is not None}
 
 
 def _resolve_bits(v):
@@ -162,10 +152,10 @@ def _resolving_math_bits(kernel, read):
 
 
 def _copy_with_math_bits(copy_kernel):
-    """``copy_`` reads a source's lazy conj/neg bits (as the other ops of _MATH_BIT_FALLTHROUGH),
-    and into a destination with such a bit stores conj(src)/-src, so that it reads back src:
-    PyTorch's math-bit fallbacks run an in-place op on such a tensor (``x.conj().triu_()``) on a
-    resolved copy and write the result back with this ``copy_``."""
+    """``copy_`` reads a source's lazy conj/neg bits (as the ops with ``math_bits`` in
+    ``oprecord.EAGER``), and into a destination with such a bit stores conj(src)/-src, so that it
+    reads back src: PyTorch's math-bit fallbacks run an in-place op on such a tensor
+    (``x.conj().triu_()``) on a resolved copy and write the result back with this ``copy_``."""
     def copy_(self, src, non_blocking=False):
         if not (self.is_conj() or self.is_neg()):
             if src.is_conj() or src.is_neg():
@@ -193,7 +183,8 @@ def register_all() -> None:
         return
     lib = torch.library.Library("aten", "IMPL")
     _libs.append(lib)
-    for name, fn in _kernel_table().items():
+    KERNELS.update(_kernel_table())
+    for name, fn in KERNELS.items():
         lib.impl(name.removesuffix(".default"), fn, "PrivateUse1")
     rnn.install(lib)   # fused LSTM/GRU/RNN: an autograd kernel, as these ATen ops are composite
     fallback_lib = torch.library.Library("_", "IMPL")

@@ -101,13 +101,21 @@ def _flat(signature):
             yield c
 
 
+def refusals_of(name: str, functional: str | None = None) -> tuple[str, dict | None]:
+    """(the table's entry, its refused dtype signatures or None) for overload ``name``: its own
+    entry, else that of the functional overload it derives from."""
+    table = _refusals()
+    refused = table.get(name)
+    if refused is None and functional is not None:
+        return functional, table.get(functional)
+    return name, refused
+
+
 def check(sig, values, describe) -> None:
     """Raise CPU's error if its kernels refuse these dtypes for this overload (an in-place overload
     the table never saw is judged by its functional form). ``describe(values)`` names the inputs."""
-    table = _refusals()
-    refused = table.get(registry_name(sig.overload))
-    if refused is None and sig.functional is not None:
-        refused = table.get(registry_name(sig.functional))
+    functional = None if sig.functional is None else registry_name(sig.functional)
+    _, refused = refusals_of(registry_name(sig.overload), functional)
     if not refused or has_empty_tensor(sig, values):
         return
     hit = refused.get(dtype_signature(sig, values))

@@ -49,12 +49,16 @@ DEVICE_INDEX = {
 HOST_INDEX_OPS = "x[idx], x[idx] = v, index_put_ and index_put"
 
 
+def device_index_name(packet: str) -> str | None:
+    """The argument ``DEVICE_INDEX`` names for an op's schema name ("index_add_"), or None."""
+    if packet.endswith("_") and not packet.endswith("__"):
+        packet = packet[:-1]
+    return DEVICE_INDEX.get(packet)
+
+
 def device_index_argument(overload) -> int | None:
     """Position of the argument of ``overload`` that ``DEVICE_INDEX`` names, or None."""
-    name = overload._schema.name.split("::", 1)[-1]
-    if name.endswith("_") and not name.endswith("__"):
-        name = name[:-1]
-    arg = DEVICE_INDEX.get(name)
+    arg = device_index_name(overload._schema.name.split("::", 1)[-1])
     if arg is None:
         return None
     return next((i for i, a in enumerate(overload._schema.arguments) if a.name == arg), None)

@@ -11,6 +11,7 @@ math.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,6 +69,9 @@ class InvalidArguments(RuntimeError):
 
 
 LOWERINGS: dict[str, Lowering] = {}
+# Where each lowering was registered: (file, line) of the ``@lowering``/``add`` call, a loop's too
+# (``exp.default`` is registered in a loop over names, so the file never spells it).
+SITES: dict[str, tuple[str, int]] = {}
 
 
 def lowering(*names: str, promote: str | None = None, promote_args=None, static_scalars=False,
@@ -92,6 +96,10 @@ def add(entry: Lowering) -> None:
     if entry.name in LOWERINGS:
         raise ValueError(f"lowering for aten::{entry.name} registered twice")
     LOWERINGS[entry.name] = entry
+    frame = sys._getframe(1)
+    while frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    SITES[entry.name] = (frame.f_code.co_filename, frame.f_lineno)
 
 
 def get(name: str) -> Lowering | None:
