@@ -1,4 +1,4 @@
-"""The resumable sweep both coverage tools run on (``torchneuron.tools.sweep``): results it resumes
+"""The resumable sweep both coverage tools run on (``tools/sweep.py``): results it resumes
 from, and worker processes that are replaced when they die."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from torchneuron.tools import sweep
+from tools import sweep
 
 # A worker: appends {"task": t} for each task on its command line, and dies on "boom" unless the
 # results file already records it.

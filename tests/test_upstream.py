@@ -1,4 +1,4 @@
-"""PyTorch's own device-generic tests on neuron (torchneuron.tools.upstream).
+"""PyTorch's own device-generic tests on neuron (tools/upstream.py).
 
 The runner's machinery (ids, expectations, crash and timeout recovery, stale entries) is tested on
 a small device-generic file written here; the CI slice runs a deterministic sample of the real
@@ -14,14 +14,14 @@ import textwrap
 
 import pytest
 
-from torchneuron.tools import upstream
+from tools import upstream
 
 REPO = upstream.REPO
 
 
 def _run(*args, timeout=1800):
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    return subprocess.run([sys.executable, "-m", "torchneuron.tools.upstream", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "tools.upstream", *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 

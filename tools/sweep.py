@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
@@ -109,7 +111,7 @@ def run_worker(tasks: list, results: ResultsFile, command: Callable[[list], list
         todo = [t for t in tasks if t not in done]
         if not todo:
             return
-        code = subprocess.run(command(todo), env=env).returncode
+        code = subprocess.run(command(todo), env=worker_env(env)).returncode
         done = results.done()
         first = next((t for t in todo if t not in done), None)
         if first is None:
@@ -127,30 +129,37 @@ def run_info(run: dict | None) -> dict:
 
 
 # -- where things are -----------------------------------------------------------------------------
-def source_checkout() -> Path | None:
-    """The repository root when torchneuron runs from a source checkout (``pip install -e``), else
-    None (an installed package)."""
-    root = Path(__file__).resolve().parents[3]
-    return root if (root / "pyproject.toml").exists() and (root / "src" / "torchneuron").is_dir() else None
+# The developer tools live in the repository (not in the installed package): they run from a
+# checkout, whose root holds their inputs (tests/) and default outputs (build/, docs/).
+REPO = Path(__file__).resolve().parents[1]
 
 
-def default_path(in_checkout: str, elsewhere: str) -> Path:
-    """``in_checkout`` under the source checkout, else ``elsewhere`` under the current directory."""
-    root = source_checkout()
-    return root / in_checkout if root is not None else Path.cwd() / elsewhere
+def default_path(in_checkout: str) -> Path:
+    """``in_checkout`` under the repository root."""
+    return REPO / in_checkout
+
+
+def tool_command(name: str) -> list[str]:
+    """The command line that runs ``tools/<name>.py`` in a new process (see ``worker_env``)."""
+    return [sys.executable, "-m", f"tools.{name}"]
+
+
+def worker_env(env: dict | None = None) -> dict:
+    """``env`` (default: this process's environment) with the repository root on ``PYTHONPATH``,
+    so that a worker finds the ``tools`` package whatever its current directory."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    return env
 
 
 def source_revision() -> str | None:
-    """The checkout's commit, marked when tracked files have local changes (None if not a checkout)."""
-    root = source_checkout()
-    if root is None:
-        return None
+    """The checkout's commit, marked when tracked files have local changes (None if not a git checkout)."""
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              timeout=30)
         if rev.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                                capture_output=True, text=True, timeout=30).stdout.strip()
         return rev.stdout.strip() + (" + uncommitted changes" if dirty else "")
     except (OSError, subprocess.SubprocessError):
