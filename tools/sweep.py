@@ -1,11 +1,11 @@
-"""What both coverage sweeps share: a results file they resume from, worker processes that survive
-crashes, and where their inputs and outputs live.
+"""What the developer tools share: a results file they resume from, the supervisor of worker
+processes that survive crashes (``supervise``), and where their inputs and outputs live.
 
-A sweep is a list of tasks (an OpInfo entry/dtype/check, a Hugging Face architecture). Workers
-append one JSON line per result to one results file; a task is done once a row says so (``key``).
-An interrupted sweep resumes by running only the tasks without such a row, and a worker process
-that dies (a crash, a hang killed by its timeout) is replaced: the task it was on is recorded as
-failed through ``on_crash`` and the rest of its share goes on in a new worker.
+A sweep is a list of tasks (an OpInfo entry/dtype/check, a Hugging Face architecture, an upstream
+test). Workers append one JSON line per result to one results file; a task is done once a row says
+so (``key``). An interrupted sweep resumes by running only the tasks without such a row, and a
+worker process that dies (a crash, a hang killed by its timeout) is replaced: the task it was on is
+recorded as failed (``on_crash``) and the rest of its share goes on in a new worker.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
 
@@ -106,21 +108,73 @@ def run_worker(tasks: list, results: ResultsFile, command: Callable[[list], list
     ``on_crash(task, exit code)`` records the first task it left undone, so the next worker starts
     after it.
     """
-    while True:
+    pending = {}
+
+    def next_command():
         done = results.done()
-        todo = [t for t in tasks if t not in done]
-        if not todo:
-            return
-        code = subprocess.run(command(todo), env=worker_env(env)).returncode
+        pending["todo"] = todo = [t for t in tasks if t not in done]
+        pending["cmd"] = cmd = command(todo) if todo else None
+        return cmd
+
+    def exited(code, _timed_out):
         done = results.done()
-        first = next((t for t in todo if t not in done), None)
+        first = next((t for t in pending["todo"] if t not in done), None)
         if first is None:
-            return
+            return False
         if code == 0:
-            raise RuntimeError(f"sweep: a worker exited normally without a result for {first!r}: {command(todo)}")
+            raise RuntimeError(f"sweep: a worker exited normally without a result for {first!r}: {pending['cmd']}")
         on_crash(first, code)
         if first not in results.done():
             raise RuntimeError(f"sweep: recording the crash of task {first!r} did not complete it")
+        return True
+
+    supervise(next_command, exited, env=env)
+
+
+def supervise(command: Callable[[], list[str] | None], exited: Callable[[int, str | None], bool],
+              env: dict | None = None, timeout: float | None = None, heartbeat: Path | None = None,
+              quiet: bool = False, stderr: Path | None = None) -> None:
+    """The one supervisor of the tools' worker processes: start ``command()`` (None: nothing left
+    to do) until ``exited(exit code, task that ran past the timeout or None)`` returns False;
+    ``exited`` records what a dead worker left undone, so the next one resumes after it.
+
+    ``heartbeat``: a file the worker writes (``{"id": task, "start": time.time()}``) when it starts
+    a task; a task that runs past ``timeout`` seconds gets the worker killed with its process group
+    (it runs in a session of its own, so hung grandchildren go too). ``quiet``: the worker's stdout
+    is dropped; ``stderr``: appended to this file. Workers find ``tools`` (``worker_env``).
+    """
+    while True:
+        cmd = command()
+        if cmd is None:
+            return
+        if heartbeat is not None:
+            heartbeat.unlink(missing_ok=True)
+        err = open(stderr, "a") if stderr is not None else None
+        try:
+            proc = subprocess.Popen(cmd, env=worker_env(env), stdout=subprocess.DEVNULL if quiet else None,
+                                    stderr=err, start_new_session=heartbeat is not None)
+            timed_out = _watch(proc, heartbeat, timeout) if heartbeat is not None else None
+            proc.wait()
+        finally:
+            if err is not None:
+                err.close()
+        if not exited(proc.returncode, timed_out):
+            return
+
+
+def _watch(proc, heartbeat: Path, timeout: float | None) -> str | None:
+    """Wait for ``proc``; kill it if the task its heartbeat names runs past ``timeout`` (that task)."""
+    while proc.poll() is None:
+        time.sleep(0.5)
+        try:
+            cur = json.loads(heartbeat.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            continue
+        if timeout is not None and time.time() - cur["start"] > timeout:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return cur["id"]
+    return None
 
 
 def run_info(run: dict | None) -> dict:

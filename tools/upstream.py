@@ -7,9 +7,10 @@ device: ``instantiate_device_type_tests`` builds one class per available device 
 ``PYTORCH_TESTING_DEVICE_ONLY_FOR=privateuse1`` keeps only the neuron classes (``cpu`` for the
 reference run). Nothing in the files is changed.
 
-Each file runs in a worker subprocess that records one JSON line per test; the parent watches it:
-a test that runs past ``--timeout`` is recorded as ``timeout``, one that kills the process as
-``crashed``, and a fresh worker resumes after it. Results persist under ``--results``, so a run
+Each file runs in a worker subprocess that records one JSON line per test; the parent watches it
+(``sweep.supervise``, the supervisor every tool shares): a test that runs past ``--timeout`` is
+recorded as ``timeout``, one that kills the process as ``crashed``, and a fresh worker resumes
+after it. Results persist under ``--results``, so a run
 that is stopped resumes where it was (``--fresh`` starts over).
 
 The expectations file (``tests/upstream/expectations.toml``) gives every test that may not pass a
@@ -29,8 +30,6 @@ import json
 import os
 import platform
 import re
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -39,7 +38,7 @@ from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .sweep import REPO, tool_command, worker_env
+from .sweep import REPO, supervise, tool_command
 
 DEFAULT_TESTS_DIRS = (REPO / "tests" / "upstream" / "pytorch", REPO.parent / "shared" / "upstream-tests")
 DEFAULT_EXPECTATIONS = REPO / "tests" / "upstream" / "expectations.toml"
@@ -450,7 +449,7 @@ def run_file(file: str, device: str, tests_dir: Path, results_dir: Path, expecta
     if only is not None:
         only_file = Path(str(out) + ".only")
         only_file.write_text("\n".join(only))
-    env = worker_env()
+    env = dict(os.environ)
     env["PYTORCH_TESTING_DEVICE_ONLY_FOR"] = DEVICE_ENV[device]
     env["PYTORCH_PRINT_REPRO_ON_FAILURE"] = "0"
     env.pop("CI", None)   # upstream changes behaviour under CI (report files); run as a developer
@@ -470,28 +469,13 @@ def run_file(file: str, device: str, tests_dir: Path, results_dir: Path, expecta
     if rerun:
         cmd += ["--rerun-from", str(sum(1 for _ in _records(out)))]
     restarts = 0
-    while True:
-        current.unlink(missing_ok=True)
-        stderr = open(str(out) + ".stderr", "a")
-        proc = subprocess.Popen(cmd, env=env, stdout=None if show else subprocess.DEVNULL, stderr=stderr,
-                                start_new_session=True)
-        killed = None
-        while proc.poll() is None:
-            time.sleep(0.5)
-            try:
-                cur = json.loads(current.read_text())
-            except (FileNotFoundError, json.JSONDecodeError):
-                continue
-            if time.time() - cur["start"] > timeout:
-                killed = cur["id"]
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        stderr.close()
-        rc = proc.returncode
+
+    def exited(rc, killed):
+        nonlocal restarts
         if rc == 0:
-            break
+            return False
         if rc == RECYCLE_EXIT:
-            continue
+            return True
         try:
             cur = json.loads(current.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
@@ -507,10 +491,14 @@ def run_file(file: str, device: str, tests_dir: Path, results_dir: Path, expecta
                 tail = Path(str(out) + ".stderr").read_text().strip().splitlines()[-1:] or [""]
                 f.write(json.dumps({"id": "<collection>", "status": "error",
                                     "message": f"exit status {rc}: {tail[0][:400]}"}) + "\n")
-                break
+                return False
         restarts += 1
         log(f"  {file} [{device}]: {'timeout' if killed else 'crash'} in "
             f"{killed or cur['id']}; resuming ({restarts} restarts)")
+        return True
+
+    supervise(lambda: cmd, exited, env=env, timeout=timeout, heartbeat=current, quiet=not show,
+              stderr=Path(str(out) + ".stderr"))
     current.unlink(missing_ok=True)
     if only_file:
         only_file.unlink(missing_ok=True)
