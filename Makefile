@@ -28,7 +28,7 @@ test-all: $(STAMP)
 # results under build/upstream, counts in docs/upstream.md. UPSTREAM_TESTS: a directory of the files.
 UPSTREAM_TESTS ?=
 upstream: $(STAMP)
-	nice -n 10 $(PY) -m torchneuron.tools.upstream --cpu-check $(if $(UPSTREAM_TESTS),--tests-dir $(UPSTREAM_TESTS))
+	nice -n 10 $(PY) -m tools.upstream --cpu-check $(if $(UPSTREAM_TESTS),--tests-dir $(UPSTREAM_TESTS))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

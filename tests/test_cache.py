@@ -280,3 +280,68 @@ def test_graphs_on_views_with_runtime_offsets_match_eager(name):
         torch.testing.assert_close(compiled_fn(nbase[i]).cpu(), fn(base[i]).clone())
         torch.testing.assert_close(nbase.cpu(), base)
     assert torchneuron.metrics()["graphs_compiled"] <= 1
+
+
+# -- what the fingerprint of stored executables covers -------------------------------------------
+_PACKAGE = os.path.dirname(os.path.abspath(torchneuron.__file__))
+
+
+def test_fingerprint_hashes_the_code_that_decides_executables():
+    from torchneuron.runtime import executable_store
+    hashed = {os.path.relpath(p, _PACKAGE) for p in executable_store.fingerprint_sources()}
+    assert "config.py" in hashed and "runtime/executable_store.py" in hashed
+    assert os.path.join("ops", "data", "cpu_dtype_refusals.json") in hashed
+    for part in ("runtime", "ops", "eager", "compile", "kernels"):
+        for directory, _, files in os.walk(os.path.join(_PACKAGE, part)):
+            for f in files:
+                if f.endswith((".py", ".json")):
+                    assert os.path.relpath(os.path.join(directory, f), _PACKAGE) in hashed
+    outside = [p for p in hashed if p.split(os.sep)[0] in ("report", "distributed", "integrations", "tools")
+               or p in ("cli.py", "profiler.py", "metrics.py", "__init__.py", "__main__.py")]
+    assert not outside
+    assert not os.path.exists(os.path.join(_PACKAGE, "tools"))   # developer tools are not installed
+
+
+_SMALL_RUN = textwrap.dedent("""
+    import json
+    import torch
+    import torchneuron
+    x = torch.arange(6.0, device="neuron")
+    y = ((x * 3 + 1).sin().sum()).item()
+    m = torchneuron.metrics()
+    print("RESULT" + json.dumps({"compiled": m["executables_compiled"], "loaded": m["eager_cache_loads"],
+                                  "y": y, "package": torchneuron.__file__}))
+""")
+
+
+def test_editing_report_or_tool_code_leaves_a_warm_cache_warm(tmp_path):
+    """A fresh process on a copy of the package: editing the report, the CLI or the profiler keeps
+    the executables an earlier process stored; editing a lowering module invalidates them."""
+    import shutil
+    copy = tmp_path / "site" / "torchneuron"
+    shutil.copytree(_PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, TORCHNEURON_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+    def run():
+        proc = subprocess.run([sys.executable, "-c", _SMALL_RUN], env=env, capture_output=True, text=True,
+                              timeout=600)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
+        assert line is not None, proc.stderr[-3000:]
+        result = json.loads(line[len("RESULT"):])
+        assert result["package"].startswith(str(copy))
+        return result
+
+    def edit(relpath):
+        with open(copy / relpath, "a") as f:
+            f.write("\n# edited\n")
+
+    cold = run()
+    assert cold["compiled"] > 0 and cold["loaded"] == 0
+    for relpath in ("report/render.py", "cli.py", "profiler.py", "metrics.py"):
+        edit(relpath)
+    warm = run()
+    assert warm["compiled"] == 0 and warm["loaded"] == cold["compiled"] and warm["y"] == cold["y"]
+    edit("ops/elementwise.py")
+    invalidated = run()
+    assert invalidated["loaded"] == 0 and invalidated["compiled"] == cold["compiled"]

@@ -1,6 +1,6 @@
 """Corner cases the complete OpInfo sweep found, each checked against CPU PyTorch.
 
-The sweep (``python -m torchneuron.tools.coverage``) covers them too, but only in its full run; these
+The sweep (``python -m tools.coverage``) covers them too, but only in its full run; these
 are the regressions in a form CI runs every time.
 """
 

@@ -142,7 +142,7 @@ def test_function_level_imports_say_why():
     assert not silent, "function-level imports without a reason:\n" + "\n".join(sorted(silent))
 
 
-def test_graph_cache_fingerprint_covers_every_source_file():
+def test_package_sources_lists_every_source_file():
     sources = {os.path.relpath(p, _ROOT) for p in cache.package_sources()}
     for path, _, files in os.walk(_ROOT):
         if "__pycache__" in path:

@@ -1,5 +1,5 @@
-"""The resumable sweep both coverage tools run on (``torchneuron.tools.sweep``): results it resumes
-from, and worker processes that are replaced when they die."""
+"""The resumable sweep the developer tools run on (``tools/sweep.py``): results it resumes
+from, and worker processes that are replaced when they die or hang (one supervisor for all)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from torchneuron.tools import sweep
+from tools import sweep
 
 # A worker: appends {"task": t} for each task on its command line, and dies on "boom" unless the
 # results file already records it.
@@ -84,3 +84,32 @@ def test_run_info_records_the_run_and_the_date():
     info = sweep.run_info({"command": "cmd"})
     assert info["command"] == "cmd" and info["date"].endswith("+00:00")
     json.dumps(info)
+
+
+def test_supervisor_kills_a_worker_whose_task_runs_past_the_timeout(tmp_path):
+    heartbeat = tmp_path / "current"
+    hang = ("import json, sys, time; open(sys.argv[1], 'w').write(json.dumps({'id': 't1', 'start': time.time()})); "
+            "time.sleep(600)")
+    exits = []
+
+    def exited(code, timed_out):
+        exits.append((code, timed_out))
+        return False
+
+    sweep.supervise(lambda: [sys.executable, "-c", hang, str(heartbeat)], exited, timeout=1, heartbeat=heartbeat)
+    assert exits == [(-9, "t1")]
+
+
+def test_supervisor_restarts_workers_until_told_to_stop(tmp_path):
+    runs = iter([[sys.executable, "-c", "raise SystemExit(3)"], [sys.executable, "-c", "pass"], None])
+    exits = []
+    sweep.supervise(lambda: next(runs), lambda code, timed_out: exits.append(code) or True)
+    assert exits == [3, 0]
+
+
+def test_workers_find_the_tools_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    exits = []
+    sweep.supervise(iter([[*sweep.tool_command("sweep")], None]).__next__,
+                    lambda code, timed_out: exits.append(code) or True)
+    assert exits == [0]

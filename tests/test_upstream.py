@@ -1,4 +1,4 @@
-"""PyTorch's own device-generic tests on neuron (torchneuron.tools.upstream).
+"""PyTorch's own device-generic tests on neuron (tools/upstream.py).
 
 The runner's machinery (ids, expectations, crash and timeout recovery, stale entries) is tested on
 a small device-generic file written here; the CI slice runs a deterministic sample of the real
@@ -14,72 +14,72 @@ import textwrap
 
 import pytest
 
-from torchneuron.tools import upstream
+from tools import upstream, upstream_report, upstream_results, upstream_worker
 
 REPO = upstream.REPO
 
 
 def _run(*args, timeout=1800):
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    return subprocess.run([sys.executable, "-m", "torchneuron.tools.upstream", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "tools.upstream", *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_neutral_names_match_neuron_and_cpu_instantiations():
-    assert upstream.neutral_name("TestShapeOpsPRIVATEUSE1", "test_flip_neuron_float32", "neuron") == \
+    assert upstream_results.neutral_name("TestShapeOpsPRIVATEUSE1", "test_flip_neuron_float32", "neuron") == \
         "TestShapeOps.test_flip_float32"
-    assert upstream.neutral_name("TestCommonNEURON", "test_out_abs_neuron_float32", "neuron") == \
+    assert upstream_results.neutral_name("TestCommonNEURON", "test_out_abs_neuron_float32", "neuron") == \
         "TestCommon.test_out_abs_float32"
-    assert upstream.neutral_name("TestShapeOpsCPU", "test_flip_cpu_float32", "cpu") == \
+    assert upstream_results.neutral_name("TestShapeOpsCPU", "test_flip_cpu_float32", "cpu") == \
         "TestShapeOps.test_flip_float32"
     # Only the device token is removed, not a "cpu" inside the test's own name.
-    assert upstream.neutral_name("TestFooCPU", "test_to_cpu_cpu", "cpu") == "TestFoo.test_to_cpu"
-    assert upstream.neutral_name("TestFooNEURON", "test_neuronx_neuron", "neuron") == "TestFoo.test_neuronx"
+    assert upstream_results.neutral_name("TestFooCPU", "test_to_cpu_cpu", "cpu") == "TestFoo.test_to_cpu"
+    assert upstream_results.neutral_name("TestFooNEURON", "test_neuronx_neuron", "neuron") == "TestFoo.test_neuronx"
 
 
 def test_sample_is_deterministic_and_bounded():
     ids = [f"TestX.test_{i}" for i in range(500)]
-    a = upstream.sample_ids("f.py", ids, 20)
-    assert a == upstream.sample_ids("f.py", list(reversed(ids)), 20) and len(a) == 20
-    assert upstream.sample_ids("g.py", ids, 20) != a
+    a = upstream_results.sample_ids("f.py", ids, 20)
+    assert a == upstream_results.sample_ids("f.py", list(reversed(ids)), 20) and len(a) == 20
+    assert upstream_results.sample_ids("g.py", ids, 20) != a
 
 
 def test_expectations_need_a_class_and_a_reason(tmp_path):
     bad = tmp_path / "e.toml"
     bad.write_text('["f.py"]\n"TestX.test_a" = { class = "flaky", reason = "x" }\n')
     with pytest.raises(ValueError, match="class must be one of"):
-        upstream.Expectations(bad)
+        upstream_results.Expectations(bad)
     bad.write_text('["f.py"]\n"TestX.test_a" = { class = "known-bug", reason = "wrong values" }\n')
     with pytest.raises(ValueError, match="names its issue"):
-        upstream.Expectations(bad)
+        upstream_results.Expectations(bad)
 
 
 def test_the_project_expectations_file_is_valid():
-    e = upstream.Expectations(upstream.DEFAULT_EXPECTATIONS)
+    e = upstream_results.Expectations(upstream.DEFAULT_EXPECTATIONS)
     for file, entries in e.entries.items():
-        assert file in upstream.FILES, file
+        assert file in upstream_results.FILES, file
         for pattern, entry in entries:
             assert entry["reason"].strip() and not entry["reason"].startswith("TODO"), (file, pattern)
 
 
 def test_a_later_collection_supersedes_a_collection_error():
-    exp = upstream.Expectations(None)
+    exp = upstream_results.Expectations(None)
     recs = {"<collection>": {"id": "<collection>", "status": "error", "message": "ImportError"},
             "T.test_a": {"id": "T.test_a", "status": "passed", "message": ""}}
-    per_file, details, _, _ = upstream.summarize({"f.py": recs}, exp)
+    per_file, details, _, _ = upstream_report.summarize({"f.py": recs}, exp)
     assert per_file["f.py"]["collection-error"] == 1 and details["failed"]
     recs["<collection>"] = {"id": "<collection>", "status": "collected"}
-    per_file, details, _, _ = upstream.summarize({"f.py": recs}, exp)
+    per_file, details, _, _ = upstream_report.summarize({"f.py": recs}, exp)
     assert per_file["f.py"]["collection-error"] == 0 and not details["failed"]
-    assert upstream.complete_files({"f.py": recs}, {"f.py": 1}) == {"f.py"}
-    assert upstream.complete_files({"f.py": recs}, {"f.py": 2}) == set()
+    assert upstream_report.complete_files({"f.py": recs}, {"f.py": 1}) == {"f.py"}
+    assert upstream_report.complete_files({"f.py": recs}, {"f.py": 2}) == set()
 
 
 def test_compats_let_older_files_load_under_the_pinned_torch():
     """Names and idioms of the obtained files' revisions that torch 2.13 changed."""
     import torch
     from torch.testing._internal import common_cuda, common_methods_invocations, common_utils
-    upstream._install_compat()
+    upstream_worker._install_compat()
     assert common_methods_invocations.binary_ufuncs_and_refs is common_methods_invocations.binary_ufuncs
     assert common_utils.skipIfMps is common_utils.skipIfMPS
     assert callable(common_cuda.tf32_is_not_fp32)
@@ -99,7 +99,7 @@ def test_compats_let_older_files_load_under_the_pinned_torch():
 
     module = type(sys)("m")
     module.TestLinalgCPU = Device                   # the generic class is not in the module
-    upstream._fix_super_self_class(module, "TestLinalg")
+    upstream_worker._fix_super_self_class(module, "TestLinalg")
     torch.backends.cuda.matmul.allow_tf32 = True
     case = Device("test_x")
     case.setUp()                                    # recursed forever before

@@ -1,4 +1,4 @@
-"""Defects PyTorch's own upstream tests found on neuron (torchneuron.tools.upstream), each checked
+"""Defects PyTorch's own upstream tests found on neuron (tools/upstream.py), each checked
 against CPU PyTorch."""
 
 import pytest
@@ -244,7 +244,7 @@ def test_index_fill_values_like_cpu(dtype, value):
 
 # TestCommon.test_dtypes_*: lowerings computed dtypes ATen's CPU kernels refuse ("abs_cpu" not
 # implemented for 'Bool', complex clamp, bool matmul, integer gelu...). Eager kernels now consult
-# the table of CPU's refusals (ops/cpu_dtype_refusals.py) when they plan an executable.
+# the table of CPU's refusals (ops/data/cpu_dtype_refusals.json) when they plan an executable.
 _REFUSED = {
     "abs-bool": lambda d: torch.abs(torch.ones(3, dtype=torch.bool, device=d)),
     "abs_-bool": lambda d: torch.ones(3, dtype=torch.bool, device=d).abs_(),
@@ -304,10 +304,11 @@ def test_dtype_refusals_are_checked_once_per_executable(monkeypatch):
 
 
 def test_dtype_refusals_table_matches_the_pinned_torch():
-    """Regenerate with ``python -m torchneuron.tools.cpu_dtypes`` when torch changes."""
-    from torchneuron.ops import cpu_dtype_refusals
-    assert cpu_dtype_refusals.TORCH_VERSION == torch.__version__
-    assert len(cpu_dtype_refusals.REFUSALS) > 500
+    """Regenerate with ``python -m tools.cpu_dtypes`` when torch changes."""
+    from torchneuron.ops import cpu_dtypes
+    cpu_dtype_refusals = cpu_dtypes.load_table()
+    assert cpu_dtype_refusals.torch_version == torch.__version__
+    assert len(cpu_dtype_refusals.refusals) > 500
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ Random ops cannot match CPU values: they are checked by shape, dtype, range and 
 under ``torch.manual_seed`` (see ``RANDOM`` and ``RANDOM_WHEN``). Ops that return uninitialised memory (``empty*``) are
 checked by shape and dtype only.
 
-``tests/opinfo/test_opinfo.py`` and ``python -m torchneuron.tools.coverage`` both drive this module.
+``tests/opinfo/test_opinfo.py`` and ``python -m tools.coverage`` both drive this module.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Two layers:
   float32 forward samples of every OpInfo entry, the first float32 gradient sample of every
   autograd-capable entry, and every ``SLICE_STRIDE``-th entry in bfloat16 / int64 / bool.
 * ``test_sweep`` (``-m slow``): every sample of every entry, dtype and check. Its totals are what
-  ``python -m torchneuron.tools.coverage`` writes to ``docs/coverage.md``.
+  ``python -m tools.coverage`` writes to ``docs/coverage.md``.
 
 A failing sample that is not in ``expectations.py`` fails the test with the list of mismatches.
 """

@@ -3,9 +3,9 @@
 A lowering is a JAX function: it computes ``abs`` of a bool tensor, ``gelu`` of an int64 one or a
 complex ``clamp`` where ATen's CPU kernels raise (``"abs_cpu" not implemented for 'Bool'``). A result
 no CPU run can be checked against is worse than CPU's error, and PyTorch's own tests (OpInfo's
-``test_dtypes``) hold a device to CPU's dtype lists. ``cpu_dtype_refusals`` records, per ATen
-overload, the argument dtypes CPU refused and its error, measured by running every OpInfo sample of
-every dtype on CPU (``python -m torchneuron.tools.cpu_dtypes`` regenerates it for a new torch).
+``test_dtypes``) hold a device to CPU's dtype lists. ``data/cpu_dtype_refusals.json`` (package
+data) records, per ATen overload, the argument dtypes CPU refused and its error, measured by running every OpInfo sample of
+every dtype on CPU (``python -m tools.cpu_dtypes`` regenerates it for a new torch).
 
 An eager kernel checks this once per executable-cache entry, when it plans one (the key holds every
 dtype the check reads), so a cached call pays nothing. torch.compile graphs are not checked: they
@@ -13,6 +13,10 @@ hold the ops of PyTorch's decompositions, with dtype combinations CPU's eager ke
 """
 
 from __future__ import annotations
+
+import json
+import os
+from typing import NamedTuple
 
 import torch
 
@@ -76,6 +80,29 @@ def has_empty_tensor(sig, values) -> bool:
     return False
 
 
+TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "cpu_dtype_refusals.json")
+
+
+class RefusalTable(NamedTuple):
+    torch_version: str    # the torch the table was measured with
+    refusals: dict        # overload -> {dtype signature (a tuple): (exception type, CPU's message)}
+
+
+def _signature(codes) -> tuple:
+    # JSON has lists where the table has tuples (a tensor list's dtypes nest).
+    return tuple(_signature(c) if isinstance(c, list) else c for c in codes)
+
+
+def load_table(path: str = TABLE_PATH) -> RefusalTable:
+    """The table as ``tools/cpu_dtypes.py`` wrote it: ``{"torch_version": ..., "refusals":
+    {overload: [[dtype signature, exception type, message], ...]}}``."""
+    with open(path) as f:
+        data = json.load(f)
+    return RefusalTable(data["torch_version"],
+                        {name: {_signature(sig): (kind, message) for sig, kind, message in entries}
+                         for name, entries in data["refusals"].items()})
+
+
 _table = None
 # CPU gaps an accelerator fills: its half dtypes (erfcx of bfloat16), and kernels whose CUDA
 # versions take dtypes CPU's refuse where model code relies on it (transformers' MoE layers call
@@ -87,9 +114,9 @@ _ACCELERATOR_KERNELS = {"histc.default"}
 def _refusals():
     global _table
     if _table is None:
-        from .cpu_dtype_refusals import REFUSALS  # a large table: loaded at the first plan
+        refusals = load_table().refusals   # a large table: read at the first plan
         _table = {name: {sig: hit for sig, hit in refused.items() if not _HALF & set(_flat(sig))}
-                  for name, refused in REFUSALS.items() if name not in _ACCELERATOR_KERNELS}
+                  for name, refused in refusals.items() if name not in _ACCELERATOR_KERNELS}
     return _table
 
 

@@ -4,7 +4,8 @@ Both eager per-op executables (``<cache_dir>/eager/``) and torch.compile graphs
 (``<cache_dir>/graphs/``) are stored here, in ``config.cache_dir`` (``TORCHNEURON_CACHE_DIR``;
 "" turns it off). An entry is found by a key computed from what decides the program (for an eager
 op: its cache key; for a graph: its FX code and input signature) together with a fingerprint of
-versions, platform and every torchneuron source file, so any change to the code invalidates it.
+versions, platform and the torchneuron code that decides an executable (``fingerprint_sources``),
+so a change to that code invalidates it and a change elsewhere (the report, the CLI) does not.
 
 Only executables XLA compiled in this process may be stored: one that XLA deserialized from JAX's
 own persistent cache serializes again without its fused CPU kernels, and loading that entry later
@@ -35,25 +36,48 @@ _FORMAT = 1
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# What decides an executable: the packages that plan, lower and compile it (lowerings, layouts,
+# dtype rules and their data, kernels, graphs) and the settings they read. The other top-level
+# modules and packages (metrics, profiler, report, cli, distributed, integrations) only count,
+# render or set things up around it.
+FINGERPRINTED = ("runtime", "ops", "eager", "compile", "kernels", "config.py")
+
+
+def _walk(root: str, suffixes: tuple[str, ...]) -> list[str]:
+    if os.path.isfile(root):
+        return [root]
+    found = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d != "__pycache__")
+        found.extend(os.path.join(directory, n) for n in sorted(files) if n.endswith(suffixes))
+    return found
+
+
 def package_sources() -> list[str]:
     """Every Python source file of the installed torchneuron package, in a stable order."""
+    return _walk(_PACKAGE_ROOT, (".py",))
+
+
+def fingerprint_sources(root: str = _PACKAGE_ROOT) -> list[str]:
+    """The files ``fingerprint`` hashes: the sources and data files (the dtype-refusal table) of
+    ``FINGERPRINTED`` under the package directory ``root``, in a stable order."""
     found = []
-    for directory, subdirs, files in os.walk(_PACKAGE_ROOT):
-        subdirs[:] = sorted(d for d in subdirs if d != "__pycache__")
-        found.extend(os.path.join(directory, n) for n in sorted(files) if n.endswith(".py"))
+    for part in FINGERPRINTED:
+        found.extend(_walk(os.path.join(root, part), (".py", ".json")))
     return found
 
 
 @functools.cache
 def fingerprint() -> str:
-    """Versions, platform and every source file of torchneuron: any change invalidates the store
-    (what an executable computes depends on lowerings, layouts, dtype rules, config...)."""
+    """Versions, platform and the code that decides an executable (``fingerprint_sources``): a
+    change there invalidates the store (what an executable computes depends on lowerings, layouts,
+    dtype rules, config...)."""
     h = hashlib.sha256()
     dev = pjrt.devices()[0]
     h.update(repr((_FORMAT, sys.version, torch.__version__, jax.__version__, config.platform,
                    dev.platform, dev.device_kind, pjrt.platform_version(),
                    os.environ.get("XLA_FLAGS", ""))).encode())
-    for name in package_sources():
+    for name in fingerprint_sources():
         with open(name, "rb") as f:
             h.update(os.path.relpath(name, _PACKAGE_ROOT).encode())
             h.update(f.read())

@@ -1,4 +1,4 @@
-"""Architecture coverage of Hugging Face causal LMs on neuron: ``python -m torchneuron.tools.hf_coverage``.
+"""Architecture coverage of Hugging Face causal LMs on neuron: ``python -m tools.hf_coverage``.
 
 For every entry of the installed transformers' causal-LM auto mapping it builds a tiny
 random-weight configuration (``hf_configs``: few layers, small hidden size, small vocabulary;
@@ -15,8 +15,8 @@ The CPU fallbacks each model used on neuron are recorded. Results go to ``docs/h
 
 Architectures run in worker processes (``sweep``: compiled executables are shared between models of
 equal shapes); a worker that crashes or hangs is replaced and the architecture is recorded as failed.
-Needs transformers (``pip install "torchneuron[hf]"``); from an installed package (no source
-checkout) the results and report go under the current directory.
+Needs transformers (``pip install -e ".[hf]"``); run it from the repository root:
+``python -m tools.hf_coverage``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 try:
     import transformers  # noqa: F401  (checked first, for the message below)
 except ImportError as err:
-    raise ImportError("torchneuron.tools.hf_coverage needs transformers: pip install \"torchneuron[hf]\" "
+    raise ImportError("tools.hf_coverage needs transformers: pip install -e \".[hf]\" "
                       "(or the transformers version pyproject.toml pins)") from err
 import jax
 import torch
@@ -63,8 +63,8 @@ from .hf_configs import (
 )
 from .hf_report import pct, render, summarise
 
-DEFAULT_RESULTS = resumable.default_path("build/hf_coverage/results.jsonl", "hf_coverage/results.jsonl")
-DEFAULT_OUTPUT = resumable.default_path("docs/hf_coverage.md", "hf_coverage.md")
+DEFAULT_RESULTS = resumable.default_path("build/hf_coverage/results.jsonl")
+DEFAULT_OUTPUT = resumable.default_path("docs/hf_coverage.md")
 
 # Tolerances against the CPU oracle (float32 everywhere; XLA may reassociate sums). Logits:
 # |neuron - cpu| <= LOGITS_ATOL * max(1, max|cpu|) + LOGITS_RTOL * |cpu|, elementwise.
@@ -361,7 +361,7 @@ def sweep(archs: list[str], results: Path, timeout: int, generate: bool, jobs: i
 
 def _run_shard(archs: list[str], results: Path, timeout: int, generate: bool, run: dict | None = None) -> None:
     def command(todo):
-        return [sys.executable, "-m", "torchneuron.tools.hf_coverage", "--worker", "--results", str(results),
+        return [*resumable.tool_command("hf_coverage"), "--worker", "--results", str(results),
                 "--timeout", str(timeout), *(["--no-generate"] if not generate else []),
                 "--run-info", json.dumps(run or {}), *todo]
 
@@ -373,7 +373,7 @@ def _run_shard(archs: list[str], results: Path, timeout: int, generate: bool, ru
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m torchneuron.tools.hf_coverage", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.hf_coverage", description=__doc__.split("\n\n")[0])
     p.add_argument("archs", nargs="*", help="model types to run (default: every causal-LM architecture)")
     p.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="JSON-lines results file")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="markdown report to write")
@@ -392,7 +392,7 @@ def main(argv=None) -> int:
         _worker(args.archs, args.results, args.timeout, not args.no_generate, json.loads(args.run_info))
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    command = " ".join(["python -m torchneuron.tools.hf_coverage", *map(shlex.quote, raw)])
+    command = " ".join(["python -m tools.hf_coverage", *map(shlex.quote, raw)])
     archs = args.archs or causal_lm_types()
     start = time.perf_counter()
     if not args.render_only:
