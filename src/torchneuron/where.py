@@ -19,7 +19,7 @@ from torch._decomp import decomposition_table
 from . import ops  # noqa: F401  (every lowering module, filling the registry)
 from .config import config
 from .eager import argument_checks, fallback, out_variants, registration
-from .ops import cpu_dtype_refusals, devices, oprecord
+from .ops import cpu_dtypes, devices, oprecord
 from .ops.registry import Lowering
 from .ops.signature import aten_overload, is_composite_implicit
 from .runtime import autocast
@@ -42,8 +42,9 @@ def location(obj) -> str | None:
 
 
 def _line_of(module, needle: str) -> str:
-    """``file:line`` of the first line of ``module``'s source holding ``needle``."""
-    file = inspect.getsourcefile(module)
+    """``file:line`` of the first line of ``module``'s source (or of the file at that path)
+    holding ``needle``."""
+    file = module if isinstance(module, str) else inspect.getsourcefile(module)
     with open(file) as f:
         for i, line in enumerate(f, 1):
             if needle in line:
@@ -149,9 +150,9 @@ def facts(name: str, platform: str | None = None) -> dict[str, str]:
         codes = sorted({"/".join(map(str, sig)) for sig in refused})
         more = f", ... ({len(codes)} in all)" if len(codes) > 6 else ""
         out["dtype refusals"] = (f"{', '.join(codes[:6])}{more} "
-                                 f"({_line_of(cpu_dtype_refusals, repr(entry) + ':')})")
+                                 f"({_line_of(cpu_dtypes.TABLE_PATH, _quoted(entry) + ': [')})")
     elif refused is not None:
-        out["dtype refusals"] = f"none refused ({_line_of(cpu_dtype_refusals, repr(entry) + ':')})"
+        out["dtype refusals"] = f"none refused ({_line_of(cpu_dtypes.TABLE_PATH, _quoted(entry) + ': [')})"
     else:
         out["dtype refusals"] = "not measured (no OpInfo sample reaches it)"
     for listed, label in ((autocast.LOWER_PRECISION, "lower precision"), (autocast.FLOAT32, "float32")):

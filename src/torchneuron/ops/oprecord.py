@@ -187,7 +187,7 @@ class OpRecord:
         return OP if self.lowering is not None or self.lowered == INPLACE else None
 
     def dtype_refusals(self) -> tuple[str, dict]:
-        """(the table entry, its refused dtype signatures) of ops/cpu_dtype_refusals.py."""
+        """(the table entry, its refused dtype signatures) of ops/data/cpu_dtype_refusals.json."""
         return cpu_dtypes.refusals_of(self.name, self.functional)
 
 
