@@ -10,14 +10,19 @@ import pytest
 import torch
 
 import torchneuron
+from torchneuron import seams
 from torchneuron.compile import cache
 from torchneuron.ops import registry
 from torchneuron.ops.registry import Lowering
 from torchneuron.ops.signature import lowers_in_eager, registry_name, signature_for, variants_of
 
 _ROOT = os.path.dirname(os.path.abspath(torchneuron.__file__))
-# Layers, lowest first: a package may import only from its own layer or those below.
-_LAYERS = {"runtime": 0, "ops": 1, "eager": 2, "kernels": 2, "compile": 3}
+# Layers, lowest first: a package (or top-level module) may import only from its own layer or
+# those below. The settings, the counters and the seams are below everything; the package's own
+# __init__ (which registers the device) is above everything.
+_LAYERS = {"config": -1, "metrics": -1, "seams": -1,
+           "runtime": 0, "ops": 1, "eager": 2, "kernels": 2, "compile": 3, "distributed": 3, "integrations": 3,
+           "profiler": 4, "where": 4, "report": 5, "cli": 6, "__main__": 7}
 
 
 def _module_name(path: str) -> str:
@@ -70,6 +75,83 @@ def test_layers_import_only_downwards():
             if theirs is not None and theirs > mine:
                 wrong.append(f"{module}:{line} imports {name}")
     assert not wrong, "imports that point up the layers runtime -> ops -> eager -> compile:\n" + "\n".join(wrong)
+
+
+def test_every_package_and_module_has_a_layer():
+    unlayered = sorted({m.split(".")[1] for m in _modules() if m != "torchneuron" and _layer(m) is None})
+    assert not unlayered, f"give these a layer in _LAYERS (tests/test_structure.py): {unlayered}"
+
+
+def _imported_aliases(path, module, modules):
+    """name -> the torchneuron module (or module-level object) it is bound to in this file."""
+    aliases = {}
+    for name, _, _, node in _imports(path, module, modules):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("torchneuron"):
+                    aliases[a.asname or a.name.split(".")[0]] = a.asname and a.name or "torchneuron"
+        else:
+            for a in node.names:
+                target = name if name.endswith("." + a.name) else f"{name}.{a.name}"
+                aliases[a.asname or a.name] = target
+    return aliases
+
+
+def _package_of(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+# Their attributes are data every layer may set: the settings object and the counters.
+_DATA = ("torchneuron.config", "torchneuron.metrics")
+
+
+def test_no_attribute_of_another_package_is_swapped_outside_the_seams():
+    """A higher layer plugs into a lower one only through torchneuron.seams (install/uninstall):
+    assigning another package's module attribute (``memory.flush_pending = flush``) or class
+    attribute (``graph.GraphProgram.__call__ = ...``) is a hidden upward call this test refuses."""
+    modules = _modules()
+    wrong = []
+    for module, path in modules.items():
+        aliases = _imported_aliases(path, module, modules)
+        mine = _package_of(module)
+        for node in ast.walk(ast.parse(open(path).read())):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args:
+                targets = [ast.Attribute(value=node.args[0], attr="?")]
+            for target in targets:
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                    base = t
+                    while isinstance(base, ast.Attribute):
+                        base = base.value
+                    if t is base or not isinstance(base, ast.Name) or base.id not in aliases:
+                        continue
+                    owner = aliases[base.id]
+                    if owner in _DATA and t.attr not in seams.SEAMS:
+                        continue   # a setting (validated by config) or a counter, not a swap
+                    if _package_of(owner) != mine:
+                        wrong.append(f"{module}:{node.lineno} assigns {ast.unparse(t)} of {owner}")
+    assert not wrong, "attribute swaps across packages (declare a seam in torchneuron/seams.py):\n" + "\n".join(wrong)
+
+
+def test_every_seam_names_a_real_attribute_and_restores_its_default():
+    for name, seam in seams.SEAMS.items():
+        assert seam.attribute == name
+        seam.current()   # the owner holds the attribute
+        __import__(seam.installer)
+    s = seams.seam("wait_in_flight")
+    installed = s.current()
+    s.install(lambda reason: None)
+    try:
+        assert s.current() is not installed
+    finally:
+        s.install(installed)
+    assert s.current() is installed
+    for switch in seams.TRACING_SWITCHES:
+        module, _, fn = switch.rpartition(".")
+        assert callable(getattr(__import__(module, fromlist=[fn]), fn))
 
 
 def test_module_level_imports_have_no_cycles():

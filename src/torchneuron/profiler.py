@@ -20,6 +20,7 @@ import time
 import torch
 import torch.autograd.profiler as autograd_profiler
 
+from . import seams
 from .eager import kernel
 from .metrics import metrics, op_key
 
@@ -216,42 +217,20 @@ def update() -> None:
     needed = t.collector is not None or t.ranges or t.timing
     if needed and t._range is None:
         t._range = torch._C._profiler._RecordFunctionFast
-    metrics.tracer = t if needed else None
+    if needed:
+        seams.seam("tracer").install(t)
+    else:
+        seams.seam("tracer").uninstall()
     kernel.set_tracing(needed)
     _set_graph_tracing(needed)
 
 
-_graph_plain = None
-
-
 def _set_graph_tracing(on: bool) -> None:
-    """Route torch.compile graphs (compile.graph.GraphProgram) through the tracer, as kernels are."""
-    global _graph_plain
-    if not on and _graph_plain is None:
-        return          # never swapped: nothing to restore
+    """Route torch.compile graphs through the tracer, as kernels are (``compile.graph.set_tracing``)."""
+    if not on and "torchneuron.compile.graph" not in sys.modules:
+        return          # never loaded, never swapped: nothing to restore
     from .compile import graph  # the graph compiler loads with the first torch.compile, not here
-
-    program = graph.GraphProgram
-    if _graph_plain is None:
-        _graph_plain = (program.__call__, program._compile)
-    call, compile_fn = _graph_plain
-    if not on:
-        program.__call__, program._compile = call, compile_fn
-        return
-
-    def traced_call(prog, *args):
-        tracer = metrics.tracer
-        if tracer is None:
-            return call(prog, *args)
-        return tracer.graph(prog, call, args)
-
-    def traced_compile(prog, *args):
-        tracer = metrics.tracer
-        if tracer is None:
-            return compile_fn(prog, *args)
-        return tracer.graph_compile(prog, compile_fn, args)
-
-    program.__call__, program._compile = traced_call, traced_compile
+    graph.set_tracing(on)
 
 
 def attach_collector(collector) -> None:

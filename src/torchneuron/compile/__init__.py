@@ -19,6 +19,6 @@ def neuron_backend(gm, example_inputs, **kwargs):
 # The entry point loads this module when torch.compile(backend="neuron") is called, before Dynamo
 # runs any frame: keep Dynamo out of torchneuron's own code from then on, and count graph breaks
 # from Dynamo's first frame on (now, or as soon as Dynamo loads).
-dynamo_hooks.install()
+dynamo_hooks.install(neuron_backend)
 
 __all__ = ["neuron_backend"]

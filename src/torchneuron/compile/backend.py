@@ -25,10 +25,11 @@ from ..metrics import metrics
 from ..ops import registry
 from ..ops.signature import mutates, registry_name
 from ..runtime import fork
-from . import dynamo_hooks
+from . import dynamo_hooks, graph
 from .graph import GraphProgram
 
 fork.forbid(GraphProgram, "__call__", "running a torch.compile graph")
+fork.forbid(graph, "_plain_call", "running a torch.compile graph")   # what profiler tracing swaps back in
 
 _OPTIONS = ("fallback", "dump_dir")
 _graph_ids = itertools.count()
@@ -58,7 +59,7 @@ class CompileOptions:
 def neuron_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None):
     """torch.compile(backend="neuron"): compile a Dynamo graph (forward and backward)."""
     opts = CompileOptions.parse(options, mode)
-    dynamo_hooks.install()
+    dynamo_hooks.install(neuron_backend)
     dynamo_hooks.note_recompile()
     if _is_symbolic(example_inputs):
         if not torch._dynamo.config.assume_static_by_default:

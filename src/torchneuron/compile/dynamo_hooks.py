@@ -82,11 +82,8 @@ def _compiles_for_neuron(tx) -> bool:
         fn = innermost_backend(tx.output.compiler_fn)
     except Exception:  # noqa: BLE001 - not a frame being traced
         return False
-    # compile/__init__.py imports this module, and backend.py loads Dynamo: both only when tracing.
-    from . import neuron_backend
-    from .backend import neuron_backend as impl
     fn = getattr(fn, "compiler_fn", fn)
-    return fn is neuron_backend or fn is impl
+    return fn in _backends
 
 
 def _counting_log_graph_break(log_graph_break):
@@ -133,7 +130,15 @@ class _CountOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         _count_breaks(module)
 
 
-def install() -> None:
+# The functions that are the neuron backend (the entry point's and the compiler's), as ``install``
+# was given them: the hooks recognise neuron frames without importing the modules that define them.
+_backends: set = set()
+
+
+def install(backend=None) -> None:
+    """Install the hooks; ``backend``: a function Dynamo may hold as the neuron backend."""
+    if backend is not None:
+        _backends.add(backend)
     skip_own_frames()
     module = sys.modules.get(_SYMBOLIC_CONVERT)
     if module is not None:

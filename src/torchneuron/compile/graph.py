@@ -243,6 +243,32 @@ class GraphProgram:
         return exe
 
 
+# -- tracing (torch.profiler ranges, readiness-report call sites) ---------------------------------
+# As eager kernels (``eager.kernel.set_tracing``): swapped in only while metrics.tracer is installed,
+# so untraced graphs pay nothing.
+_plain_call = GraphProgram.__call__
+_plain_compile = GraphProgram._compile
+
+
+def _traced_call(prog, *args):
+    tracer = metrics.tracer
+    if tracer is None:
+        return _plain_call(prog, *args)
+    return tracer.graph(prog, _plain_call, args)
+
+
+def _traced_compile(prog, *args):
+    tracer = metrics.tracer
+    if tracer is None:
+        return _plain_compile(prog, *args)
+    return tracer.graph_compile(prog, _plain_compile, args)
+
+
+def set_tracing(on: bool) -> None:
+    GraphProgram.__call__ = _traced_call if on else _plain_call
+    GraphProgram._compile = _traced_compile if on else _plain_compile
+
+
 def clear_cache() -> None:
     """Forget in-memory graph executables (the persistent cache on disk stays)."""
     executables.clear_cache()

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops  # noqa: F401  (imports every lowering module, filling the registry)
+from .. import (
+    ops,  # noqa: F401  (imports every lowering module, filling the registry)
+    seams,
+)
 from ..config import config
 from ..ops import oprecord, registry
 from ..ops.signature import aten_overload
@@ -120,7 +123,7 @@ def _kernel_table() -> dict:
     for rec in records:
         if rec.lowered is not None:
             _kernels[rec.name] = _lowered_kernel(rec)
-    storage_ops.device_copy_kernel = _kernels["copy_.default"]   # copies between neuron tensors
+    seams.seam("device_copy_kernel").install(_kernels["copy_.default"])   # copies between neuron tensors
     return {rec.name: _eager_kernel(rec) for rec in records if rec.kernel is not None}
 
 

@@ -155,6 +155,14 @@ def _refuse_platform_change(old: str, new: str) -> None:
 guard("platform", _refuse_platform_change)
 
 
+def device_count() -> int:
+    """How many devices the configured platform has (0 when it cannot start)."""
+    try:
+        return len(devices())
+    except RuntimeError:
+        return 0
+
+
 def device(index: int):
     devs = devices()
     if not 0 <= index < len(devs):

@@ -21,6 +21,8 @@ import weakref
 
 import torch
 
+from . import pjrt
+
 _DEFAULT_SEED = 67280421310721
 
 
@@ -196,8 +198,7 @@ Generator.__qualname__ = Generator.__name__ = "Generator"
 
 def default_generators() -> tuple:
     """``torch.neuron.default_generators``: one per device, sharing the device generators' state."""
-    from . import device as device_module  # device.py imports this module
-    return tuple(NeuronGenerator(f"neuron:{i}", generator(i)) for i in range(max(device_module.device_count(), 1)))
+    return tuple(NeuronGenerator(f"neuron:{i}", generator(i)) for i in range(max(pjrt.device_count(), 1)))
 
 
 def install() -> None:

@@ -55,8 +55,8 @@ import atexit
 import contextlib
 import os
 
+from ... import seams
 from ...config import config
-from ...runtime import memory
 from .. import kernel
 from . import compiler, plans, recorder
 from . import run as runs
@@ -90,7 +90,7 @@ def set_eager_mode(mode: str) -> None:
 def apply_mode(mode: str) -> None:
     """Follow ``config.eager_mode`` (installed as its observer by ``torchneuron.register``)."""
     if mode == "adaptive":
-        kernel.recorder = region
+        seams.seam("recorder").install(region)
         budget.start()
         if not _optimizer_hooks:
             from torch.optim.optimizer import (  # not at the top: torch.optim is only needed here
@@ -100,7 +100,7 @@ def apply_mode(mode: str) -> None:
             _optimizer_hooks.append(register_optimizer_step_pre_hook(_before_step))
             _optimizer_hooks.append(register_optimizer_step_post_hook(_after_step))
     else:
-        kernel.recorder = None
+        seams.seam("recorder").uninstall()
         budget.stop()
         while _optimizer_hooks:
             _optimizer_hooks.pop().remove()
@@ -167,7 +167,7 @@ def _after_fork_in_child():
     region.inflight = None
 
 
-memory.flush_pending = flush
-memory.wait_in_flight = _wait_in_flight
+seams.seam("flush_pending").install(flush)
+seams.seam("wait_in_flight").install(_wait_in_flight)
 os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(_shutdown)
