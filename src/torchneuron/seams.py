@@ -13,7 +13,10 @@ nothing per call.
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass, field
+
+from .metrics import metrics
 
 
 @dataclass
@@ -70,3 +73,20 @@ def seam(attribute: str) -> Seam:
 # Tracing of kernels and graphs swaps methods of the class that owns them; each owner does it
 # itself (``eager.kernel.set_tracing``, ``compile.graph.set_tracing``), called by torchneuron.profiler.
 TRACING_SWITCHES = ("torchneuron.eager.kernel.set_tracing", "torchneuron.compile.graph.set_tracing")
+
+
+def traced(owner: str, plain: str, hook: str, with_kwargs: bool = False):
+    """A method that hands each call to the installed tracer's ``hook`` together with the plain
+    method, or runs the plain method when no tracer is installed. The plain method is looked up as
+    ``owner.plain`` at each call: in a forked child runtime/fork.py has replaced it by a refusal."""
+    module = sys.modules[owner]
+
+    def method(self, *args, **kwargs):
+        fn = getattr(module, plain)
+        tracer = metrics.tracer
+        if tracer is None:
+            return fn(self, *args, **kwargs)
+        if with_kwargs:
+            return getattr(tracer, hook)(self, fn, args, kwargs)
+        return getattr(tracer, hook)(self, fn, args)
+    return method

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 import torch
 
+from .. import seams
 from ..config import config
 from ..metrics import metrics
 from ..ops import devices, oprecord
@@ -250,18 +251,8 @@ _plain_call = GraphProgram.__call__
 _plain_compile = GraphProgram._compile
 
 
-def _traced_call(prog, *args):
-    tracer = metrics.tracer
-    if tracer is None:
-        return _plain_call(prog, *args)
-    return tracer.graph(prog, _plain_call, args)
-
-
-def _traced_compile(prog, *args):
-    tracer = metrics.tracer
-    if tracer is None:
-        return _plain_compile(prog, *args)
-    return tracer.graph_compile(prog, _plain_compile, args)
+_traced_call = seams.traced(__name__, "_plain_call", "graph")
+_traced_compile = seams.traced(__name__, "_plain_compile", "graph_compile")
 
 
 def set_tracing(on: bool) -> None:

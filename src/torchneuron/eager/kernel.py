@@ -27,6 +27,7 @@ import sys
 
 import torch
 
+from .. import seams
 from ..config import observe
 from ..metrics import metrics
 from ..ops import devices
@@ -204,18 +205,8 @@ _plain_call = Kernel.__call__
 _plain_compile = Kernel.first_call
 
 
-def _traced_call(self, *args, **kwargs):
-    tracer = metrics.tracer
-    if tracer is None:
-        return _plain_call(self, *args, **kwargs)
-    return tracer.kernel(self, _plain_call, args, kwargs)
-
-
-def _traced_compile(self, *args):
-    tracer = metrics.tracer
-    if tracer is None:
-        return _plain_compile(self, *args)
-    return tracer.compile(self, _plain_compile, args)
+_traced_call = seams.traced(__name__, "_plain_call", "kernel", with_kwargs=True)
+_traced_compile = seams.traced(__name__, "_plain_compile", "compile")
 
 
 def set_tracing(on: bool) -> None:
