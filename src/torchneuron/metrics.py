@@ -65,11 +65,18 @@ class _Registry:
         self.collectives = Counter()
         self.collective_bytes = 0
         self.collective_seconds = 0.0
+        # variable shapes (bucketed dynamic dimensions): per dynamic dim (named by its graph,
+        # input and dim), calls per true size, compiles per bucket, and the ladder in force
+        self.dynamic_sizes = defaultdict(Counter)
+        self.bucket_compiles = defaultdict(Counter)
+        self.dynamic_ladders = {}
         self.extra = defaultdict(int)
 
     def snapshot(self) -> dict:
         data = {k: (dict(v) if isinstance(v, Counter | defaultdict) else copy.copy(v))
                 for k, v in vars(self).items() if k != "tracer"}
+        for k in ("dynamic_sizes", "bucket_compiles"):   # nested counters: plain dicts all the way
+            data[k] = {dim: dict(c) for dim, c in data[k].items()}
         lookups = self.executables_compiled + self.cache_hits
         data["cache_hit_rate"] = self.cache_hits / lookups if lookups else 0.0
         data["fallback_count"] = sum(self.fallbacks.values())

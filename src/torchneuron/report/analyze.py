@@ -12,6 +12,7 @@ import time
 
 from ..metrics import op_label
 from ..runtime.sites import format_site
+from . import buckets
 from .env import KEY_FIELDS
 
 REPORT_SCHEMA = "torchneuron.report/1"
@@ -544,6 +545,7 @@ def build(run: dict, *, baseline: dict | None = None, warm: dict | None = None, 
         "performance": performance(run, warmup, baseline),
         "numerics": numerics(run, baseline, tolerances or {}),
         "memory": memory(run),
+        "shapes": buckets.advise(run["metrics"]),
     }
     found = findings(run, baseline, sections, warmup)
     env = run.get("environment") or {}

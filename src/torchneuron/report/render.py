@@ -12,7 +12,7 @@ import os
 from html import escape
 
 from ..runtime.sites import format_site
-from . import svg
+from . import buckets, svg
 from .analyze import PATH_LABELS
 
 
@@ -106,6 +106,7 @@ def blocks(report: dict) -> list[tuple]:
     _custom_kernels(b, report)
     _fallbacks(b, report)
     _compilation(b, report)
+    _shapes(b, report)
     _transfers(b, report)
     _performance(b, report)
     _numerics(b, report)
@@ -254,6 +255,31 @@ def _compilation(b, report):
     if a and a["unfused_runs"]:
         b.append(("p", ["Adaptive regions run op by op, by reason:"]))
         b.append(("table", ["Reason", "Segment runs"], [[r, str(n)] for r, n in a["unfused_runs"].items()]))
+
+
+def _shapes(b, report):
+    dims = report.get("shapes") or []
+    if not dims:
+        return
+    b.append(("h", 2, "Variable shapes"))
+    b.append(("p", ["Each dynamic dimension compiles once per bucket it uses and pads every call up to "
+                    "its bucket (docs/shapes.md). The proposal is the bucket set with the lowest "
+                    "compiles × padded/real work among the least-padding sets of each size."]))
+    for d in dims:
+        b.append(("h", 3, d["dim"]))
+        b.append(("p", [f"{d['calls']} calls, {d['distinct']} distinct sizes. Calls per size:"]))
+        b.append(("table", ["Size", "Calls"], [[r, str(n)] for r, n in buckets.histogram_rows(d["histogram"])]))
+        rows = []
+        for label, c in (("today", d["today"]), ("proposed", d["proposal"]["cost"])):
+            if c is None:
+                continue
+            rows.append([label, ", ".join(map(str, c["buckets"])), str(c["compiles"]), f"{100 * c['waste']:.1f}%",
+                         str(c["over_largest"])])
+        b.append(("table", ["Buckets", "Ladder", "Compiles", "Padding (of padded work)", "Calls above the largest"],
+                  rows))
+        if d["measured_compiles"]:
+            b.append(("p", ["Compiles measured per bucket: " + ", ".join(
+                f"{k}: {v}" for k, v in sorted(d["measured_compiles"].items())) + "."]))
 
 
 def _transfers(b, report):
