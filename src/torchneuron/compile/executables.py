@@ -42,7 +42,9 @@ def cached(graph_hash, key, device_index, need_trace: bool):
     if need_trace:
         return None
     start = time.perf_counter()
-    loaded = cache.load_graph(_disk_key(graph_hash, key, device_index), pjrt.devices())
+    # The executable runs on the call's device only (a multi-device client would otherwise expect
+    # one shard per device).
+    loaded = cache.load_graph(_disk_key(graph_hash, key, device_index), [pjrt.device(device_index or 0)])
     if loaded is None:
         return None
     compiled, meta = loaded
