@@ -19,6 +19,7 @@ _CHOICES = {
     "eager_mode": ("plain", "adaptive"),
     "compile_fallback": ("error", "eager"),
     "device_checks": ("deferred", "sync", "off"),
+    "shapes": ("static", "bucketed"),
 }
 
 
@@ -89,6 +90,13 @@ class Config:
     # at the next synchronisation point ("deferred"), right after each checked op ("sync"), or not
     # compiled at all ("off").
     device_checks: str = "deferred"
+    # torch.compile graphs Dynamo traced with symbolic shapes (dynamic=True, mark_dynamic, automatic
+    # dynamic): compiled once per concrete shape ("static"), or once per shape bucket with the pad
+    # masked ("bucketed", docs/shapes.md).
+    shapes: str = "static"
+    # The buckets of config.shapes="bucketed": "pow2" (powers of two from 16), "pow2:<min>", or
+    # increasing sizes "64,128,256" (a size above the largest is an error naming the dim).
+    shape_buckets: str = "pow2"
     # Persistent compilation cache for torch.compile executables ("" disables it).
     cache_dir: str = field(default_factory=_default_cache_dir)
     # When set, each compiled graph's FX code and StableHLO text are written here.
