@@ -194,6 +194,16 @@ def _validated(name: str, value):
         value = value.strip().lower()
     if name in _CHOICES and value not in _CHOICES[name]:
         raise ValueError(f"torchneuron: {where} must be one of {_CHOICES[name]}, got {value!r}")
+    if name == "shape_buckets":
+        value = value.strip().lower().replace(" ", "")
+        ok = value == "pow2" or (value.startswith("pow2:") and value[5:].isdigit() and int(value[5:]) > 0)
+        if not ok:
+            parts = value.split(",")
+            ok = all(p.isdigit() and int(p) > 0 for p in parts) and \
+                [int(p) for p in parts] == sorted({int(p) for p in parts})
+        if not ok:
+            raise ValueError(f"torchneuron: {where} must be 'pow2', 'pow2:<min>' or increasing positive "
+                             f"sizes like '64,128,256', got {value!r}")
     if name == "platform" and not value:
         raise ValueError(f"torchneuron: {where} must name a PJRT platform, e.g. 'cpu'")
     return value
