@@ -314,3 +314,21 @@ def test_static_setting_and_static_graphs_are_unchanged(monkeypatch):
         x = torch.randn(2, t)
         torch.testing.assert_close(h(x.to("neuron")).cpu(), f(x))
     assert _counts() == (0, 0)
+
+
+def test_sizes_as_numbers_and_outputs_that_view_inputs(bucketed):
+    def f(x):
+        return x[:, 1:], x.t(), x[:, 1:] * x.shape[1] - x.shape[0], torch.arange(x.shape[1], device=x.device) * 1.0
+
+    g = torch.compile(f, backend="neuron", dynamic=True)
+    for t in (5, 9, 17):
+        x = torch.randn(3, t)
+        xn = x.to("neuron")
+        outs = g(xn)
+        for a, b in zip(outs, f(x)):
+            assert a.shape == b.shape and a.stride() == b.stride()
+            torch.testing.assert_close(a.cpu(), b)
+        # Views of the input come back as real aliases of it, as with static graphs.
+        assert outs[0].untyped_storage().data_ptr() == xn.untyped_storage().data_ptr()
+        assert outs[0].storage_offset() == 1
+    assert _counts() == (2, 0)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import sympy
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._sympy.functions import FloorDiv, Mod
 
 from ..config import config
@@ -49,6 +50,8 @@ from .errors import NodeFailure, meta_of
 from .interpreter import _apply
 
 _records = memory.allocator.records
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_AS_STRIDED = torch.ops.aten.as_strided.default.redispatch
 
 _NOOPS = frozenset({
     "_assert_tensor_metadata.default", "_assert_scalar.default", "_functional_assert_async.msg",
@@ -70,6 +73,11 @@ _PASS = frozenset({
     "new_zeros.default", "new_ones.default", "new_full.default", "new_empty.default",
     "empty_strided.default", "copy.default", "cumsum.default", "cumprod.default", "_unsafe_view.default", "view.default", "reshape.default",
 })
+
+
+# Ops whose rule reads dynamic sizes passed as plain int arguments (not lists of sizes).
+_SIZE_ARGS_HANDLED = frozenset({"slice.Tensor", "select.int", "arange.default", "arange.start",
+                                "arange.start_step"})
 
 
 class NoRule(Exception):
@@ -141,12 +149,12 @@ def evaluate(expr, values):
         return args[0] % args[1]
     if isinstance(expr, sympy.Pow) and isinstance(expr.args[1], sympy.Integer) and int(expr.args[1]) >= 0:
         return args[0] ** int(expr.args[1])
-    if isinstance(expr, sympy.Max):
+    if type(expr).__name__ == "Max":
         out = args[0]
         for a in args[1:]:
             out = jnp.maximum(out, a) if not isinstance(out, int) or not isinstance(a, int) else max(out, a)
         return out
-    if isinstance(expr, sympy.Min):
+    if type(expr).__name__ == "Min":
         out = args[0]
         for a in args[1:]:
             out = jnp.minimum(out, a) if not isinstance(out, int) or not isinstance(a, int) else min(out, a)
@@ -185,6 +193,7 @@ class BucketedProgram:
     def _plan(self):
         self.symbols = []       # the bound symbols, in binding order
         self.binders = []       # (placeholder index, None | dim, symbol)
+        self.where = {}         # symbol -> the input and dim it is read from (for messages)
         bound = set()
         for i, ph in enumerate(self.placeholders):
             v = ph.meta.get("val")
@@ -194,6 +203,7 @@ class BucketedProgram:
                     bound.add(e)
                     self.symbols.append(e)
                     self.binders.append((i, None, e))
+                    self.where[e] = f"the dynamic size {e} (input {ph.name})"
             elif isinstance(v, torch.Tensor):
                 if v.device.type != "neuron":
                     raise NoRule("input", f"a {v.device.type} tensor input")
@@ -203,6 +213,7 @@ class BucketedProgram:
                         bound.add(e)
                         self.symbols.append(e)
                         self.binders.append((i, d, e))
+                        self.where[e] = f"dim {d} of input {ph.name} (symbol {e})"
             elif isinstance(v, torch.SymFloat | torch.SymBool):
                 raise NoRule("input", "a SymFloat/SymBool input")
         self.steps = []
@@ -216,6 +227,10 @@ class BucketedProgram:
             for e in _free_symbols(val):
                 if e not in bound:
                     raise NoRule(_op_name(node), f"the symbol {e} is not a graph input's size")
+            for e in _size_exprs(val):
+                if not _grows(e):
+                    # Evaluated at the buckets, such a size could be smaller than the true one.
+                    raise NoRule(_op_name(node), f"the size {e} does not grow with its symbols")
             if target is operator.getitem:
                 self.steps.append((node, "getitem", None, None))
                 continue
@@ -237,6 +252,11 @@ class BucketedProgram:
                 raise NoRule(name, "in-place updates are not bucketed yet")
             if sig.lowering.random:
                 raise NoRule(name, "random ops are not bucketed yet")
+            if name not in _SIZE_ARGS_HANDLED:
+                for i in sig.static:
+                    v = sig.bind(node.args, node.kwargs, missing=None)[i]
+                    if isinstance(v, torch.fx.Node) and _free_symbols(v.meta.get("val")):
+                        raise NoRule(name, f"a dynamic size as its argument {sig.arg_names[i]!r}")
             rule = _rule_for(name, target, node)
             self.steps.append((node, "op", sig, rule))
         for out in _flat(self.output_node.args[0]):
@@ -271,7 +291,7 @@ class BucketedProgram:
             values[e] = int(a) if d is None else int(a.shape[d])
         buckets = {}
         for e in self.symbols:
-            buckets[e] = bucket_for(values[e], self.buckets, f"the dynamic dim {e}")
+            buckets[e] = bucket_for(values[e], self.buckets, self.where[e])
         padded_inputs, direct, specs, device_index = self._inputs(args, values, buckets)
         key = (tuple(buckets[e] for e in self.symbols), tuple(specs))
         exe = self.executables.get(key)
@@ -367,6 +387,10 @@ class BucketedProgram:
                 final.append(memory.new_buffer_tensor(bufs[j], dtype, dev, sizes, strides))
             elif kind == "input":
                 final.append(args[o[1]])
+            elif kind == "view":
+                i, sizes, strides, offset = o[1]
+                final.append(_AS_STRIDED(_CPU_KEYS, args[i], [int(evaluate(e, values)) for e in sizes],
+                                         [int(evaluate(e, values)) for e in strides], int(evaluate(offset, values))))
             elif kind == "sym":
                 final.append(int(evaluate(o[1], values)))
             else:
@@ -416,11 +440,22 @@ class _Trace:
         self.checks = tuple((entry[-1], op) for entry, op in found)
         results = []
         ph_index = {ph: i for i, ph in enumerate(p.placeholders)}
+        ph_storage = {}
+        for i, ph in enumerate(p.placeholders):
+            v = ph.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                ph_storage.setdefault(StorageWeakRef(v.untyped_storage()), i)
         for out in _flat(p.output_node.args[0]):
+            val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
+            src = ph_storage.get(StorageWeakRef(val.untyped_storage())) if isinstance(val, torch.Tensor) else None
             if not isinstance(out, torch.fx.Node):
                 self.output_kinds.append(("const", out))
-            elif out in ph_index and isinstance(out.meta.get("val"), torch.Tensor):
+            elif out in ph_index and isinstance(val, torch.Tensor):
                 self.output_kinds.append(("input", ph_index[out]))
+            elif src is not None and p.placeholders[src].meta["val"].dtype == val.dtype:
+                # A view of an input: a real alias of it, as GraphProgram returns it.
+                self.output_kinds.append(("view", (src, _shape_exprs(val), tuple(expr_of(x) for x in val.stride()),
+                                                   expr_of(val.storage_offset()))))
             elif isinstance(out.meta.get("val"), torch.Tensor):
                 value = env[out]
                 want = jax_dtype(out.meta["val"].dtype)
@@ -487,6 +522,11 @@ class _Call:
         self.arrays = [_lookup(v, env) for v in values]
         self.metas = [trace.padded_meta(v) for v in values]
         self.env = env
+        # A size used as a number (x * x.shape[1]) is its true value; as a size, its bucket's.
+        for i in sig.dynamic:
+            v = values[i]
+            if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.SymInt):
+                self.arrays[i] = jnp.asarray(trace.true(expr_of(v.meta["val"])))
 
     def arg(self, name):
         return self.sig.index_of[name]
@@ -886,6 +926,34 @@ def _free_symbols(val):
         for v in val:
             out |= _free_symbols(v)
     return out
+
+
+def _size_exprs(val):
+    if isinstance(val, torch.Tensor):
+        return [expr_of(x) for x in val.shape if isinstance(x, torch.SymInt)]
+    if isinstance(val, list | tuple):
+        return [e for v in val for e in _size_exprs(v)]
+    return []
+
+
+def _grows(expr) -> bool:
+    """Whether ``expr`` never decreases when a symbol grows (then its value at the buckets bounds
+    its true value): sums and products of symbols with positive coefficients, floor divisions and
+    maxima/minima of such."""
+    if _is_static(expr) or isinstance(expr, sympy.Symbol):
+        return True
+    if isinstance(expr, FloorDiv):
+        return _grows(expr.args[0]) and _is_static(expr.args[1]) and int(expr.args[1]) > 0
+    if type(expr).__name__ in ("Max", "Min"):
+        return all(_grows(a) for a in expr.args)
+    for term in sympy.Add.make_args(sympy.expand(expr)):
+        if not term.free_symbols:
+            continue
+        coeff, rest = term.as_coeff_Mul()
+        if coeff <= 0 or any(not (isinstance(f, sympy.Symbol) or (isinstance(f, sympy.Pow) and f.args[1] > 0))
+                             for f in sympy.Mul.make_args(rest)):
+            return False
+    return True
 
 
 def _has_symbolic(node) -> bool:
