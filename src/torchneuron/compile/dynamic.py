@@ -47,7 +47,7 @@ from ..runtime.device import current_device
 from ..runtime.dtypes import jax_dtype
 from . import executables
 from .errors import NodeFailure, meta_of
-from .interpreter import _apply
+from .interpreter import _apply, _lookup
 
 _records = memory.allocator.records
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -195,25 +195,24 @@ class BucketedProgram:
         self.binders = []       # (placeholder index, None | dim, symbol)
         self.where = {}         # symbol -> the input and dim it is read from (for messages)
         bound = set()
+
+        def bind(size, i, d, where):
+            e = expr_of(size)
+            if isinstance(e, sympy.Symbol) and e not in bound:
+                bound.add(e)
+                self.symbols.append(e)
+                self.binders.append((i, d, e))
+                self.where[e] = where.format(e=e)
+
         for i, ph in enumerate(self.placeholders):
             v = ph.meta.get("val")
             if isinstance(v, torch.SymInt):
-                e = expr_of(v)
-                if isinstance(e, sympy.Symbol) and e not in bound:
-                    bound.add(e)
-                    self.symbols.append(e)
-                    self.binders.append((i, None, e))
-                    self.where[e] = f"the dynamic size {e} (input {ph.name})"
+                bind(v, i, None, f"the dynamic size {{e}} (input {ph.name})")
             elif isinstance(v, torch.Tensor):
                 if v.device.type != "neuron":
                     raise NoRule("input", f"a {v.device.type} tensor input")
                 for d, s in enumerate(v.shape):
-                    e = expr_of(s)
-                    if isinstance(e, sympy.Symbol) and e not in bound:
-                        bound.add(e)
-                        self.symbols.append(e)
-                        self.binders.append((i, d, e))
-                        self.where[e] = f"dim {d} of input {ph.name} (symbol {e})"
+                    bind(s, i, d, f"dim {d} of input {ph.name} (symbol {{e}})")
             elif isinstance(v, torch.SymFloat | torch.SymBool):
                 raise NoRule("input", "a SymFloat/SymBool input")
         self.steps = []
@@ -817,11 +816,15 @@ def _split_plan(node):
 rule("split.Tensor", "split_with_sizes.default")(planned(_split_plan)(lambda call: call.apply()))
 
 
+def _along(call):
+    """(self, the op's dim, self's true sizes) of an op along one dim (slice, select)."""
+    x = call.arrays[0]
+    return x, call.values[1] % x.ndim, call.lens(0)
+
+
 @rule("slice.Tensor")
 def _slice(call):
-    x = call.arrays[0]
-    dim = call.values[1] % x.ndim
-    lens = call.lens(0)
+    x, dim, lens = _along(call)
     if lens[dim] is None:
         return call.apply()
     step = call.values[4] if len(call.values) > 4 and call.values[4] is not None else 1
@@ -841,9 +844,7 @@ def _slice(call):
 
 @rule("select.int")
 def _select(call):
-    x = call.arrays[0]
-    dim = call.values[1] % x.ndim
-    lens = call.lens(0)
+    x, dim, lens = _along(call)
     if lens[dim] is None:
         return call.apply()
     index = call.values[2]
@@ -972,14 +973,6 @@ def _flat(out):
 def _op_name(node) -> str:
     t = node.target
     return registry_name(t) if isinstance(t, torch._ops.OpOverload) else str(getattr(t, "__name__", t))
-
-
-def _lookup(v, env):
-    if isinstance(v, torch.fx.Node):
-        return env[v]
-    if isinstance(v, list | tuple):
-        return [_lookup(x, env) for x in v]
-    return v
 
 
 def _check_shapes(node, result, trace):

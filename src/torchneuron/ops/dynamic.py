@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .numerics import highest, lowest
+
 
 def valid_mask(shape, lens, dims=None):
     """The boolean mask of the exact region of an array of ``shape`` (broadcastable to it), over
@@ -39,24 +41,6 @@ def masked(x, lens, fill, dims=None):
     return jnp.where(m, x, jnp.asarray(fill, dtype=x.dtype))
 
 
-def lowest(dtype):
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.floating):
-        return -jnp.inf
-    if dtype == jnp.bool_:
-        return False
-    return np.iinfo(dtype).min
-
-
-def highest(dtype):
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.floating):
-        return jnp.inf
-    if dtype == jnp.bool_:
-        return True
-    return np.iinfo(dtype).max
-
-
 # The value a reduction ignores, per reduction kind.
 def identity(kind: str, dtype):
     if kind in ("sum", "mean", "any"):
@@ -64,9 +48,9 @@ def identity(kind: str, dtype):
     if kind == "prod" or kind == "all":
         return True if jnp.dtype(dtype) == jnp.bool_ else 1
     if kind in ("max", "argmax", "logsumexp"):
-        return lowest(dtype)
+        return lowest(jnp.dtype(dtype))
     if kind in ("min", "argmin"):
-        return highest(dtype)
+        return highest(jnp.dtype(dtype))
     raise ValueError(kind)
 
 
