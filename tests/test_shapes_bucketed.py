@@ -107,6 +107,18 @@ def test_reshape_across_padded_dims_and_back():
     torch.testing.assert_close(exact(back, (3, 5, 4)), x)
 
 
+def test_a_merged_dim_masks_through_its_factors():
+    # [3, 5] padded to [4, 8] and merged into one dim of 32: its exact elements are not a prefix.
+    x = torch.randn(3, 5, 2)
+    xp = padded(x, (4, 8, 2)).reshape(32, 2)
+    lens = (dyn.Factors(((3, 4), (5, 8))), None)
+    assert dyn.true_count(xp.shape, lens, (0,)) == 15
+    s = jnp.sum(dyn.masked(xp, lens, 0), axis=0)
+    torch.testing.assert_close(torch.from_numpy(np.asarray(s)), x.reshape(15, 2).sum(0))
+    compact = dyn.reshape(xp.reshape(4, 8, 2), [3, 5, 2], [15, 2], (32, 2))
+    torch.testing.assert_close(exact(compact, (15, 2)), x.reshape(15, 2))
+
+
 def test_select_and_slice_count_from_the_true_end():
     x = torch.randn(2, 5, 3)
     xp = padded(x, (2, 8, 3))
@@ -248,7 +260,9 @@ def test_masked_ops_on_the_dynamic_dim_match_cpu(bucketed):
                + (x > -5).all(1).float())
         cat = torch.cat([x, y], 1)
         last = x[:, -1] + cat[:, -1] + x[:, 1:].sum(1) + cat[:, 2:-1].sum(1)
-        flat = x.reshape(-1).cumsum(0)[-1]
+        # Merged dynamic dims: positional ops (cumsum, select, argmax, cat) see them compacted.
+        flat = x.reshape(-1).cumsum(0)[-1] + x.reshape(-1).argmax().float() \
+            + torch.cat([x.reshape(-1), y.reshape(-1)])[-3:].sum()
         return s, red, cat * 2, last, flat + (x @ y.transpose(0, 1)).sum() + x.t().matmul(y).sum()
 
     g = torch.compile(f, backend="neuron", dynamic=True)

@@ -75,6 +75,27 @@ _PASS = frozenset({
 })
 
 
+# Ops exact on a merged dim laid out as its padded box (``Factors``): they act on each position
+# alone, or mask through ``valid_mask``. Other ops see such dims compacted to a prefix.
+_AGNOSTIC = frozenset({
+    "permute.default", "transpose.int", "t.default", "unsqueeze.default", "squeeze.dim", "squeeze.dims",
+    "squeeze.default", "expand.default", "clone.default", "_to_copy.default", "alias.default",
+    "detach.default", "lift_fresh_copy.default", "contiguous.default", "scalar_tensor.default",
+    "full.default", "ones.default", "zeros.default", "empty.memory_format", "full_like.default",
+    "zeros_like.default", "ones_like.default", "empty_like.default", "new_zeros.default",
+    "new_ones.default", "new_full.default", "new_empty.default", "copy.default",
+    "view.default", "_unsafe_view.default", "reshape.default",
+    "sum.dim_IntList", "sum.default", "nansum.default", "mean.dim", "mean.default", "amax.default",
+    "max.default", "amin.default", "min.default", "prod.dim_int", "prod.default", "any.dim", "any.dims",
+    "any.default", "all.dim", "all.dims", "all.default", "logsumexp.default", "var.correction",
+    "var_mean.correction", "std.correction",
+    "mm.default", "bmm.default", "addmm.default", "baddbmm.default", "dot.default", "mv.default",
+    "_softmax.default", "_log_softmax.default", "_softmax_backward_data.default",
+    "_log_softmax_backward_data.default", "native_layer_norm.default", "native_layer_norm_backward.default",
+    "embedding.default", "embedding_dense_backward.default", "nll_loss_forward.default",
+    "nll_loss_backward.default", "split.Tensor", "split_with_sizes.default",
+})
+
 # Ops whose rule reads dynamic sizes passed as plain int arguments (not lists of sizes).
 _SIZE_ARGS_HANDLED = frozenset({"slice.Tensor", "select.int", "arange.default", "arange.start",
                                 "arange.start_step"})
@@ -162,6 +183,31 @@ def evaluate(expr, values):
     raise NoRule("sym", f"the size expression {expr} ({type(expr).__name__}) is not supported")
 
 
+def factors(expr, order) -> list:
+    """``expr`` as its row-major factors: symbolic factors outer (in the symbols' binding
+    ``order``), one static factor innermost (omitted when 1); a static size is ``[n]``."""
+    if _is_static(expr):
+        return [sympy.Integer(int(expr))]
+    parts = sympy.Mul.make_args(sympy.factor(expr)) if isinstance(expr, sympy.Add | sympy.Mul) else (expr,)
+    static, symbolic = 1, []
+    for part in parts:
+        if isinstance(part, sympy.Integer):
+            static *= int(part)
+        elif isinstance(part, sympy.Pow) and isinstance(part.args[1], sympy.Integer) and int(part.args[1]) > 1:
+            symbolic.extend([part.args[0]] * int(part.args[1]))
+        else:
+            symbolic.append(part)
+    if static < 0:
+        return [expr]
+    symbolic.sort(key=lambda f: min((order.get(x, len(order)) for x in f.free_symbols), default=0))
+    return symbolic + ([sympy.Integer(static)] if static != 1 else [])
+
+
+def compound(expr, order) -> bool:
+    """A size that merges two or more dynamic sizes: laid out as their padded box (``Factors``)."""
+    return not _is_static(expr) and sum(1 for f in factors(expr, order) if not _is_static(f)) >= 2
+
+
 def _shape_exprs(t):
     return tuple(expr_of(s) for s in t.shape)
 
@@ -215,6 +261,8 @@ class BucketedProgram:
                     bind(s, i, d, f"dim {d} of input {ph.name} (symbol {{e}})")
             elif isinstance(v, torch.SymFloat | torch.SymBool):
                 raise NoRule("input", "a SymFloat/SymBool input")
+        self.order = {e: k for k, e in enumerate(self.symbols)}
+        self.positional = set()
         self.steps = []
         for node in self.gm.graph.nodes:
             if node.op in ("placeholder", "output"):
@@ -257,6 +305,8 @@ class BucketedProgram:
                     if isinstance(v, torch.fx.Node) and _free_symbols(v.meta.get("val")):
                         raise NoRule(name, f"a dynamic size as its argument {sig.arg_names[i]!r}")
             rule = _rule_for(name, target, node)
+            if not (name in _AGNOSTIC or torch.Tag.pointwise in target.tags) and _touches_compound(node, self.order):
+                self.positional.add(node)
             self.steps.append((node, "op", sig, rule))
         for out in _flat(self.output_node.args[0]):
             if isinstance(out, torch.fx.Node) and isinstance(out.meta.get("val"), torch.SymFloat | torch.SymBool):
@@ -334,9 +384,19 @@ class BucketedProgram:
             else:
                 specs.append(("padded", len(to_pad), a.dtype, padded))
                 to_pad.append(buf)
-                pad_specs.append((view, padded))
+                pad_specs.append((view, *self._split(exprs, values, buckets), padded))
         padded_inputs = _pad(tuple(pad_specs), to_pad) if to_pad else []
         return list(padded_inputs), direct, specs, device_index
+
+    def _split(self, exprs, values, buckets):
+        """(true, padded) sizes of a shape with its compound dims split into their factors: how
+        an input is padded into (an output cut out of) the padded box."""
+        true, padded = [], []
+        for e in exprs:
+            fs = factors(e, self.order) if compound(e, self.order) else [e]
+            true.extend(int(evaluate(f, values)) for f in fs)
+            padded.extend(_padded(f, buckets) for f in fs)
+        return tuple(true), tuple(padded)
 
     def _compile(self, key, buckets, specs, padded_inputs, direct, device_index):
         if self.executables:
@@ -351,7 +411,7 @@ class BucketedProgram:
                 raise failure.error from None
             raise NoRule(_op_name(failure.node), f"{type(failure.error).__name__}: {failure.error}") from None
         metrics.extra["bucketed_graph_compiles"] += 1
-        return {"call": compiled, "outputs": tracer.output_kinds, "checks": tracer.checks}
+        return {"call": compiled, "outputs": tracer.output_kinds, "checks": tracer.checks, "buckets": buckets}
 
     def _finish(self, exe, results, args, values, device_index):
         dev = device_index if device_index is not None else current_device()
@@ -372,7 +432,7 @@ class BucketedProgram:
                 strides = tuple(int(evaluate(expr_of(s), values)) for s in val.stride())
                 if not layout.is_dense(sizes, strides):
                     strides = memory.contiguous_strides(sizes)
-                cut_specs.append((sizes, strides))
+                cut_specs.append((sizes, strides, *self._split(_shape_exprs(val), values, exe["buckets"])))
                 cut.append(results[j])
                 outs.append(("cut", len(cut) - 1, val.dtype, sizes, strides))
             else:
@@ -472,14 +532,48 @@ class _Trace:
     def padded_int(self, expr) -> int:
         return _padded(expr, self.buckets)
 
-    def lens(self, v):
-        """Per dim of node ``v``'s value: None (not padded) or its true size (traced)."""
+    def lens(self, v, compact=False):
+        """Per dim of node ``v``'s value: None (not padded), its true size (traced; the exact region
+        is a prefix) or, for a dim merging dynamic dims, ``Factors`` (unless ``compact``: the
+        value was compacted to a prefix for a positional op)."""
         val = meta_of(v)
         out = []
         for s in val.shape:
             e = expr_of(s)
-            out.append(None if _is_static(e) else evaluate(e, self.values))
+            if _is_static(e):
+                out.append(None)
+            elif not compact and compound(e, self.p.order):
+                out.append(self.factor_lens(e))
+            else:
+                out.append(evaluate(e, self.values))
         return tuple(out)
+
+    def factor_lens(self, e):
+        return dyn.Factors((None if _is_static(f) else evaluate(f, self.values), self.padded_int(f))
+                           for f in factors(e, self.p.order))
+
+    def split_shape(self, exprs):
+        """(true sizes, padded sizes) of a shape with every compound dim split into its factors."""
+        true, padded = [], []
+        for e in exprs:
+            fs = factors(e, self.p.order) if compound(e, self.p.order) else [e]
+            true.extend(evaluate(f, self.values) for f in fs)
+            padded.extend(self.padded_int(f) for f in fs)
+        return true, padded
+
+    def to_prefix(self, x, exprs):
+        """``x`` with its compound dims compacted (their exact region a prefix)."""
+        if not any(compound(e, self.p.order) for e in exprs):
+            return x
+        true_split, padded_split = self.split_shape(exprs)
+        return dyn.reshape(x.reshape(padded_split), true_split, [self.true(e) for e in exprs], x.shape)
+
+    def to_factored(self, x, exprs):
+        """The inverse of ``to_prefix``."""
+        if not any(compound(e, self.p.order) for e in exprs):
+            return x
+        true_split, padded_split = self.split_shape(exprs)
+        return dyn.reshape(x, [self.true(e) for e in exprs], true_split, padded_split).reshape(x.shape)
 
     def true(self, expr):
         return evaluate(expr, self.values)
@@ -506,18 +600,34 @@ class _Trace:
         if kind == "sym":
             return self.padded_int(expr_of(node.meta["val"]))
         values = sig.bind(node.args, node.kwargs, missing=None)
-        call = _Call(self, node, sig, values, env)
+        positional = node in self.p.positional
+        call = _Call(self, node, sig, values, env, compact=positional)
+        if positional:
+            # An op that reads positions along a merged dim sees it compacted, and its results
+            # are laid out again as the graph's other values of that size are.
+            call.arrays = [self._compacted(v, a) for v, a in zip(values, call.arrays)]
         result = rule(call) if rule is not None else call.apply()
+        if positional:
+            result = _map_tensors(result, node.meta.get("val"),
+                                  lambda r, m: self.to_factored(r, _shape_exprs(m)))
         _check_shapes(node, result, self)
         return result
+
+    def _compacted(self, v, a):
+        if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor) and hasattr(a, "shape"):
+            return self.to_prefix(a, _shape_exprs(v.meta["val"]))
+        if isinstance(v, list | tuple) and isinstance(a, list | tuple):
+            return [self._compacted(x, y) for x, y in zip(v, a)]
+        return a
 
 
 class _Call:
     """One op node being evaluated: its bound arguments (``values``: nodes and constants),
     ``arrays`` (the padded values the lowering receives) and helpers for the rules."""
 
-    def __init__(self, trace, node, sig, values, env):
+    def __init__(self, trace, node, sig, values, env, compact=False):
         self.t, self.node, self.sig, self.values = trace, node, sig, values
+        self.compact = compact
         self.arrays = [_lookup(v, env) for v in values]
         self.metas = [trace.padded_meta(v) for v in values]
         self.env = env
@@ -532,7 +642,7 @@ class _Call:
 
     def lens(self, name_or_index):
         i = self.arg(name_or_index) if isinstance(name_or_index, str) else name_or_index
-        return self.t.lens(self.values[i])
+        return self.t.lens(self.values[i], self.compact)
 
     def exprs(self, name):
         return _shape_exprs(meta_of(self.values[self.arg(name)]))
@@ -772,7 +882,7 @@ def _index(call):
             continue
         if idx.dtype == jnp.bool_:
             raise NoRule("index.Tensor", "boolean-mask indexing")
-        idx = dyn.masked(idx, call.t.lens(v), 0)
+        idx = dyn.masked(idx, call.t.lens(v, call.compact), 0)
         if xlens[d] is not None:
             idx = dyn.wrap_negative(idx, xlens[d])
         out.append(idx)
@@ -802,7 +912,7 @@ def _cat(call):
     arrays = [a for a in call.arrays[0]]
     keep = [k for k, a in enumerate(arrays) if a.ndim > 0 and not (a.ndim == 1 and a.shape[0] == 0)]
     dtype = jax_dtype(call.node.meta["val"].dtype)
-    return dyn.cat([arrays[k].astype(dtype) for k in keep], [call.t.lens(tensors[k]) for k in keep], dim,
+    return dyn.cat([arrays[k].astype(dtype) for k in keep], [call.t.lens(tensors[k], call.compact) for k in keep], dim,
                    call.t.padded_int(out_expr))
 
 
@@ -855,35 +965,35 @@ def _select(call):
 
 @rule("view.default", "_unsafe_view.default", "reshape.default")
 def _view(call):
+    t = call.t
     x = call.arrays[0]
     in_exprs = _shape_exprs(meta_of(call.values[0]))
     out_exprs = _shape_exprs(call.node.meta["val"])
-    padded_out = tuple(call.t.padded_int(e) for e in out_exprs)
-    if _prefix_compatible(in_exprs, out_exprs, x.shape, padded_out):
+    padded_out = tuple(t.padded_int(e) for e in out_exprs)
+    if _same_factors(in_exprs, out_exprs, t.p.order):
+        # The padded box is laid out the same way on both sides: a plain reshape.
         return x.reshape(padded_out)
-    true_in = [call.t.true(e) for e in in_exprs]
-    true_out = [call.t.true(e) for e in out_exprs]
-    return dyn.reshape(x, true_in, true_out, padded_out)
+    x = t.to_prefix(x, in_exprs)
+    y = dyn.reshape(x, [t.true(e) for e in in_exprs], [t.true(e) for e in out_exprs], padded_out)
+    return t.to_factored(y, out_exprs)
 
 
-def _prefix_compatible(in_exprs, out_exprs, padded_in, padded_out) -> bool:
-    """A plain reshape of the padded array keeps the exact region: the dims before the first
-    dynamic one are static and multiply to the same count on both sides, and no dim after it is
-    dynamic."""
-    def split(exprs):
-        first = next((k for k, e in enumerate(exprs) if not _is_static(e)), None)
-        if first is None:
-            return None, None
-        if any(not _is_static(e) for e in exprs[first + 1:]):
-            return False, None
-        return first, int(np.prod([int(e) for e in exprs[:first]], dtype=np.int64))
-    fi, pi = split(in_exprs)
-    fo, po = split(out_exprs)
-    if fi is None and fo is None:
-        return True
-    if fi is False or fo is False or fi is None or fo is None or pi != po:
-        return False
-    return int(np.prod(padded_in[fi:], dtype=np.int64)) == int(np.prod(padded_out[fo:], dtype=np.int64))
+def _same_factors(in_exprs, out_exprs, order) -> bool:
+    """Both shapes split into the same row-major factors (adjacent static factors merged)."""
+    def flat(exprs):
+        out = []
+        for e in exprs:
+            for f in factors(e, order):
+                if _is_static(f):
+                    if int(f) == 1:
+                        continue
+                    if out and _is_static(out[-1]):
+                        out[-1] = sympy.Integer(int(out[-1]) * int(f))
+                        continue
+                out.append(f)
+        return out
+    a, b = flat(in_exprs), flat(out_exprs)
+    return len(a) == len(b) and all(sympy.simplify(x - y) == 0 for x, y in zip(a, b))
 
 
 def _sdpa_plan(node):
@@ -927,6 +1037,21 @@ def _free_symbols(val):
         for v in val:
             out |= _free_symbols(v)
     return out
+
+
+def _touches_compound(node, order) -> bool:
+    for v in (node.meta.get("val"), *(a.meta.get("val") for a in node.all_input_nodes)):
+        if any(compound(e, order) for e in _size_exprs(v)):
+            return True
+    return False
+
+
+def _map_tensors(result, meta, fn):
+    if isinstance(meta, torch.Tensor) and hasattr(result, "shape"):
+        return fn(result, meta)
+    if isinstance(meta, list | tuple) and isinstance(result, list | tuple):
+        return type(result)(_map_tensors(r, m, fn) for r, m in zip(result, meta))
+    return result
 
 
 def _size_exprs(val):
@@ -994,9 +1119,10 @@ def _pad(specs, bufs):
     if fn is None:
         def pad(*bufs):
             out = []
-            for ((dtype, sizes, strides, offset, _), padded), buf in zip(specs, bufs):
-                x = layout.read(buf, jax_dtype(dtype), sizes, strides, offset)
-                out.append(jnp.pad(x, [(0, p - s) for s, p in zip(sizes, padded)]))
+            for ((dtype, sizes, strides, offset, _), split_true, split_padded, padded), buf in zip(specs, bufs):
+                x = layout.read(buf, jax_dtype(dtype), sizes, strides, offset).reshape(split_true)
+                x = jnp.pad(x, [(0, p - s) for s, p in zip(split_true, split_padded)])
+                out.append(x.reshape(padded))
             return tuple(out)
         fn = _pads[specs] = jax.jit(pad)
         metrics.extra["bucketed_pad_compiles"] += 1
@@ -1008,8 +1134,8 @@ def _cut(specs, arrays):
     if fn is None:
         def cut(*arrays):
             out = []
-            for (sizes, strides), a in zip(specs, arrays):
-                x = a[tuple(slice(0, s) for s in sizes)]
+            for (sizes, strides, split_true, split_padded), a in zip(specs, arrays):
+                x = a.reshape(split_padded)[tuple(slice(0, s) for s in split_true)].reshape(sizes)
                 out.append(layout.to_layout(x, sizes, strides))
             return tuple(out)
         fn = _cuts[specs] = jax.jit(cut)

@@ -18,9 +18,37 @@ from jax import lax
 from .numerics import highest, lowest
 
 
+class Factors(tuple):
+    """A dim that merges several padded dims (``[b, t, c] -> [b*t, c]``) laid out as their padded
+    box, row-major: ((true size or None, padded size), ...) outer to inner. Its exact elements are
+    those whose every digit is below its factor's true size (not a prefix)."""
+
+    @property
+    def true(self):
+        out = 1
+        for t, p in self:
+            out = out * (p if t is None else t)
+        return out
+
+
+def _dim_mask(n, true, shp, d):
+    idx = lax.broadcasted_iota(jnp.int32, tuple(shp), d)
+    if not isinstance(true, Factors):
+        return idx < true
+    mask = None
+    inner = 1
+    for t, p in reversed(true):
+        if t is not None:
+            m = (idx // inner) % p < t
+            mask = m if mask is None else mask & m
+        inner *= p
+    return mask
+
+
 def valid_mask(shape, lens, dims=None):
     """The boolean mask of the exact region of an array of ``shape`` (broadcastable to it), over
-    ``dims`` (default: every padded dim); None when nothing there is padded."""
+    ``dims`` (default: every padded dim); None when nothing there is padded. A dim's entry in
+    ``lens`` is None, its true size (the exact region is a prefix) or ``Factors``."""
     mask = None
     for d, n in enumerate(shape):
         true = lens[d]
@@ -28,7 +56,9 @@ def valid_mask(shape, lens, dims=None):
             continue
         shp = [1] * len(shape)
         shp[d] = n
-        m = lax.broadcasted_iota(jnp.int32, tuple(shp), d) < true
+        m = _dim_mask(n, true, shp, d)
+        if m is None:
+            continue
         mask = m if mask is None else mask & m
     return mask
 
@@ -58,7 +88,8 @@ def true_count(shape, lens, dims):
     """How many exact elements a reduction over ``dims`` sees (a traced value when padded)."""
     count = 1
     for d in dims:
-        count = count * (shape[d] if lens[d] is None else lens[d])
+        true = lens[d]
+        count = count * (shape[d] if true is None else true.true if isinstance(true, Factors) else true)
     return count
 
 
