@@ -14,7 +14,9 @@ graph once per **bucket** of its symbols:
 * every node is evaluated on padded arrays with the invariant "along each padded dim the first
   true-size elements are exact, the rest is don't-care"; the ops whose result depends on the padded
   extent are made exact by masking (``RULES`` here, the JAX functions in ``ops/dynamic.py``), the
-  elementwise ops pass through;
+  elementwise ops pass through; a dim merging several dynamic dims (``[b, t, c] -> [b*t, c]``) is
+  laid out as their padded box (``ops.dynamic.Factors``), so reshapes between such shapes stay
+  plain reshapes, and the ops that read positions along it see it compacted (``positional``);
 * outputs are cut back to their true shapes (a small per-shape slice executable), SymInt outputs
   are computed on the host from the true symbol values.
 
