@@ -219,8 +219,9 @@ def test_gpt_inference_compiles_once_per_bucket(bucketed, sdpa):
     assert torchneuron.metrics()["graphs_compiled"] == 4
 
 
-def test_gpt_training_steps_match_cpu_with_one_graph_pair_per_bucket(bucketed):
-    cpu, dev = _twin(layers=2)
+@pytest.mark.parametrize("sdpa", [False, True], ids=["matmul_softmax", "sdpa_causal"])
+def test_gpt_training_steps_match_cpu_with_one_graph_pair_per_bucket(bucketed, sdpa):
+    cpu, dev = _twin(layers=1 if sdpa else 2, sdpa=sdpa)
     f = torch.compile(dev, backend="neuron", dynamic=True)
     # SGD: Adam's normalisation would turn the rounding noise of gradients that are zero in exact
     # arithmetic (the key bias) into full-size updates on both devices alike.
@@ -345,4 +346,29 @@ def test_sizes_as_numbers_and_outputs_that_view_inputs(bucketed):
         # Views of the input come back as real aliases of it, as with static graphs.
         assert outs[0].untyped_storage().data_ptr() == xn.untyped_storage().data_ptr()
         assert outs[0].storage_offset() == 1
+    assert _counts() == (2, 0)
+
+
+def test_mark_dynamic_and_automatic_dynamic_graphs_are_bucketed(bucketed):
+    cpu, dev = _twin()
+    cpu.eval()
+    dev.eval()
+    f = torch.compile(dev, backend="neuron")          # dynamic=None: automatic dynamic shapes
+    torchneuron.metrics.reset()
+    with torch.no_grad():
+        for t in (5, 6, 9, 12, 20):
+            ids = torch.randint(0, 50, (2, t))
+            torch.testing.assert_close(f(ids.to("neuron")).cpu(), cpu(ids), rtol=1e-4, atol=1e-5)
+    # 5: a static graph; from 6 on Dynamo traces the length symbolically: buckets 16 and 32.
+    assert _counts() == (2, 0)
+    assert torchneuron.metrics()["graphs_compiled"] == 3
+    torch._dynamo.reset()
+    g = torch.compile(dev, backend="neuron")
+    torchneuron.metrics.reset()
+    with torch.no_grad():
+        for t in (3, 7, 17):
+            ids = torch.randint(0, 50, (2, t))
+            dyn_ids = ids.to("neuron")
+            torch._dynamo.mark_dynamic(dyn_ids, 1)
+            torch.testing.assert_close(g(dyn_ids).cpu(), cpu(ids), rtol=1e-4, atol=1e-5)
     assert _counts() == (2, 0)
