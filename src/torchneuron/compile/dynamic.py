@@ -44,7 +44,7 @@ from ..metrics import metrics
 from ..ops import checks
 from ..ops import dynamic as dyn
 from ..ops.signature import registry_name, signature_for
-from ..runtime import deferred, layout, memory, sites
+from ..runtime import deferred, layout, memory, rng, sites
 from ..runtime.device import current_device
 from ..runtime.dtypes import jax_dtype
 from . import executables
@@ -77,6 +77,13 @@ _PASS = frozenset({
 })
 
 
+# Random ops whose every element is drawn on its own: the pad draws don't-care values.
+_RANDOM_ELEMENTWISE = frozenset({
+    "native_dropout.default", "rand_like.default", "randn_like.default", "rand.default", "randn.default",
+    "bernoulli.p", "bernoulli.default", "uniform.default", "normal.Tensor_float", "normal.float_Tensor",
+})
+_PASS = _PASS | _RANDOM_ELEMENTWISE
+
 # Ops exact on a merged dim laid out as its padded box (``Factors``): they act on each position
 # alone, or mask through ``valid_mask``. Other ops see such dims compacted to a prefix.
 _AGNOSTIC = frozenset({
@@ -96,7 +103,7 @@ _AGNOSTIC = frozenset({
     "_log_softmax_backward_data.default", "native_layer_norm.default", "native_layer_norm_backward.default",
     "embedding.default", "embedding_dense_backward.default", "nll_loss_forward.default",
     "nll_loss_backward.default", "split.Tensor", "split_with_sizes.default",
-})
+}) | _RANDOM_ELEMENTWISE
 
 # Ops whose rule reads dynamic sizes passed as plain int arguments (not lists of sizes).
 _SIZE_ARGS_HANDLED = frozenset({"slice.Tensor", "select.int", "arange.default", "arange.start",
@@ -299,8 +306,8 @@ class BucketedProgram:
                 raise NoRule(name, "the op has no neuron lowering")
             if sig.mutated:
                 raise NoRule(name, "in-place updates are not bucketed yet")
-            if sig.lowering.random:
-                raise NoRule(name, "random ops are not bucketed yet")
+            if sig.lowering.random and name not in _RANDOM_ELEMENTWISE:
+                raise NoRule(name, "random ops other than elementwise ones are not bucketed yet")
             if name not in _SIZE_ARGS_HANDLED:
                 for i in sig.static:
                     v = sig.bind(node.args, node.kwargs, missing=None)[i]
@@ -313,6 +320,7 @@ class BucketedProgram:
         for out in _flat(self.output_node.args[0]):
             if isinstance(out, torch.fx.Node) and isinstance(out.meta.get("val"), torch.SymFloat | torch.SymBool):
                 raise NoRule("output", "a SymFloat/SymBool output")
+        self.random = any(sig is not None and sig.lowering.random for _, _, sig, _ in self.steps)
 
     def _fall_back(self, err: NoRule):
         from .backend import static_aten_program  # the static path lives beside the backend
@@ -345,18 +353,21 @@ class BucketedProgram:
             buckets[e] = bucket_for(values[e], self.buckets, self.where[e])
         padded_inputs, direct, specs, device_index = self._inputs(args, values, buckets)
         key = (tuple(buckets[e] for e in self.symbols), tuple(specs))
+        sym_inputs = [np.asarray(values[e], np.int64) for e in self.symbols]
+        if self.random:
+            gen = rng.generator(device_index if device_index is not None else current_device())
+            sym_inputs.extend(gen.next_key_inputs())
         exe = self.executables.get(key)
         if exe is None:
             with self._lock:
                 exe = self.executables.get(key)
                 if exe is None:
                     try:
-                        exe = self._compile(key, buckets, specs, padded_inputs, direct, device_index)
+                        exe = self._compile(key, buckets, specs, padded_inputs, direct, sym_inputs)
                     except NoRule as err:
                         self._fall_back(err)
                         return self.static(args)
                     self.executables[key] = exe
-        sym_inputs = [np.asarray(values[e], np.int64) for e in self.symbols]
         results = exe["call"](*padded_inputs, *direct, *sym_inputs)
         return self._finish(exe, results, args, values, device_index)
 
@@ -400,12 +411,11 @@ class BucketedProgram:
             padded.extend(_padded(f, buckets) for f in fs)
         return tuple(true), tuple(padded)
 
-    def _compile(self, key, buckets, specs, padded_inputs, direct, device_index):
+    def _compile(self, key, buckets, specs, padded_inputs, direct, sym_inputs):
         if self.executables:
             metrics.recompiles[f"{self.kind} graph: a new shape bucket (config.shapes='bucketed')"] += 1
         tracer = _Trace(self, buckets, specs, len(padded_inputs), len(direct))
         tracer.__name__ = f"neuron_bucketed_{self.kind}"
-        sym_inputs = [np.asarray(1, np.int64) for _ in self.symbols]
         try:
             _, compiled, _ = executables.compile_traced(tracer, [*padded_inputs, *direct], sym_inputs)
         except NodeFailure as failure:
@@ -476,6 +486,10 @@ class _Trace:
         direct = flat[self.npad:self.npad + self.ndirect]
         trues = flat[self.npad + self.ndirect:]
         self.values = dict(zip(p.symbols, trues))
+        self.base_key = None
+        if p.random:
+            seed, offset = trues[len(p.symbols):len(p.symbols) + 2]
+            self.base_key = jax.random.fold_in(jax.random.key(seed), offset)
         env = {}
         for ph, spec in zip(p.placeholders, self.specs):
             v = ph.meta.get("val")
@@ -488,7 +502,8 @@ class _Trace:
                 env[ph] = padded[spec[1]]
         found = []
         with checks.collecting() if p.device_checks != "off" else checks.suspended() as sink:
-            for node, kind, sig, rule in p.steps:
+            for n, (node, kind, sig, rule) in enumerate(p.steps):
+                self.key = jax.random.fold_in(self.base_key, n) if self.base_key is not None else None
                 before = len(sink) if sink is not None else 0
                 try:
                     env[node] = self.run(node, kind, sig, rule, env)
@@ -656,7 +671,8 @@ class _Call:
         self.arrays[i] = dyn.masked(self.arrays[i], self.lens(i), fill, dims)
 
     def apply(self):
-        result, _ = _apply(self.sig, self.values, self.arrays, self.metas, self.t.padded_meta(self.node), None)
+        result, _ = _apply(self.sig, self.values, self.arrays, self.metas, self.t.padded_meta(self.node),
+                           self.t.key if self.sig.lowering.random else None)
         return result
 
 
