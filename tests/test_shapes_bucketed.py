@@ -139,6 +139,10 @@ def test_buckets_parse_and_refuse_a_size_above_the_largest():
         torchneuron.config.shape_buckets = "128,64"
     with pytest.raises(ValueError, match="TORCHNEURON_SHAPES"):
         torchneuron.config.shapes = "dynamic"
+    from torchneuron.config import Config
+    cfg = Config.from_env({"TORCHNEURON_SHAPES": "Bucketed", "TORCHNEURON_SHAPE_BUCKETS": "32, 64"})
+    assert (cfg.shapes, cfg.shape_buckets) == ("bucketed", "32,64")
+    assert Config().shapes == "static"
 
 
 # -- whole programs --------------------------------------------------------------------------------
@@ -395,3 +399,31 @@ def test_dropout_in_a_bucketed_training_graph(bucketed):
         assert (out.cpu() <= 4 * y * (1 + 1e-4) + 1e-5).all()
         assert wn.grad is not None and torch.isfinite(wn.grad.cpu()).all()
     assert _counts() == (2, 0)   # forward and backward graphs of bucket 16
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hugging_face_causal_lm_forward_is_bucketed(bucketed, arch):
+    transformers = pytest.importorskip("transformers")
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=128,
+                                      bos_token_id=0, eos_token_id=0)
+        cls = transformers.GPT2LMHeadModel
+    else:
+        cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                       num_key_value_heads=1, intermediate_size=64, vocab_size=100,
+                                       max_position_embeddings=128, bos_token_id=0, eos_token_id=0)
+        cls = transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    cpu = cls(cfg).eval()
+    dev = cls(cfg).eval()
+    dev.load_state_dict(cpu.state_dict())
+    dev = dev.to("neuron")
+    f = torch.compile(dev, backend="neuron", dynamic=True)
+    torchneuron.metrics.reset()
+    with torch.no_grad():
+        for t in (7, 13, 29):
+            ids = torch.randint(0, 100, (2, t))
+            out = f(input_ids=ids.to("neuron"), use_cache=False).logits
+            torch.testing.assert_close(out.cpu(), cpu(input_ids=ids, use_cache=False).logits,
+                                       rtol=1e-4, atol=1e-5)
+    assert _counts() == (2, 0)

@@ -43,10 +43,10 @@ from ..config import config
 from ..metrics import metrics
 from ..ops import checks
 from ..ops import dynamic as dyn
-from ..ops.signature import registry_name, signature_for
-from ..runtime import deferred, layout, memory, rng, sites
+from ..ops.signature import cast, registry_name, signature_for
+from ..runtime import deferred, layout, memory, rng, sites, transfers
 from ..runtime.device import current_device
-from ..runtime.dtypes import jax_dtype
+from ..runtime.dtypes import device_dtype, jax_dtype
 from . import executables
 from .errors import NodeFailure, meta_of
 from .interpreter import _apply, _lookup
@@ -60,6 +60,9 @@ _NOOPS = frozenset({
     "_assert_async.default", "_assert_async.msg", "sym_constrain_range_for_size.default",
     "sym_constrain_range.default", "_print.default",
 })
+_CONVERT = torch.ops.prims.convert_element_type.default
+# Ops symbolic decompositions leave in graphs, lowered as the op they alias.
+_ALIASES = {"true_divide.Tensor": torch.ops.aten.div.Tensor}
 _SYM_OPS = frozenset({"sym_size.int", "sym_numel.default", "sym_stride.int", "sym_storage_offset.default"})
 _SYM_FUNCTIONS = frozenset({operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod,
                             operator.neg, torch.sym_max, torch.sym_min, torch.sym_sum})
@@ -264,8 +267,9 @@ class BucketedProgram:
             if isinstance(v, torch.SymInt):
                 bind(v, i, None, f"the dynamic size {{e}} (input {ph.name})")
             elif isinstance(v, torch.Tensor):
-                if v.device.type != "neuron":
-                    raise NoRule("input", f"a {v.device.type} tensor input")
+                if v.device.type != "neuron" and (v.device.type != "cpu" or _free_symbols(v)):
+                    raise NoRule("input", f"a {v.device.type} tensor input" +
+                                 (" with dynamic sizes" if v.device.type == "cpu" else ""))
                 for d, s in enumerate(v.shape):
                     bind(s, i, d, f"dim {d} of input {ph.name} (symbol {{e}})")
             elif isinstance(v, torch.SymFloat | torch.SymBool):
@@ -296,11 +300,18 @@ class BucketedProgram:
                     raise NoRule(_op_name(node), "a symbolic value that is not an integer")
                 self.steps.append((node, "sym", None, None))
                 continue
+            if target is _CONVERT:
+                # Some decompositions of symbolic graphs cast with the prim itself.
+                self.steps.append((node, "convert", None, None))
+                continue
             if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
                 raise NoRule(str(target), "only ATen operators have dynamic rules")
             name = registry_name(target)
             if name in _NOOPS:
                 continue
+            if name in _ALIASES:
+                target = _ALIASES[name]
+                name = registry_name(target)
             sig = signature_for(target, config.platform)
             if sig is None:
                 raise NoRule(name, "the op has no neuron lowering")
@@ -380,6 +391,14 @@ class BucketedProgram:
             v = ph.meta.get("val")
             if not isinstance(v, torch.Tensor):
                 specs.append(None)
+                continue
+            if a.device.type == "cpu" and v.device.type == "cpu":
+                # A CPU tensor of static shape (a scale constant): uploaded by the call, counted.
+                host = transfers.host_array(a)
+                metrics.h2d_copies += 1
+                metrics.h2d_bytes += host.nbytes
+                specs.append(("host", len(direct), a.dtype, tuple(a.shape)))
+                direct.append(host)
                 continue
             if a.device.type != "neuron":
                 raise RuntimeError(f"torchneuron: a bucketed graph got an input on {a.device}; move it to "
@@ -495,6 +514,8 @@ class _Trace:
             v = ph.meta.get("val")
             if spec is None:
                 env[ph] = self.padded_int(expr_of(v)) if isinstance(v, torch.SymInt | int) else v
+            elif spec[0] == "host":
+                env[ph] = direct[spec[1]]
             elif spec[0] == "direct":
                 dtype, sizes, strides, offset, _ = spec[2]
                 env[ph] = layout.read(direct[spec[1]], jax_dtype(dtype), sizes, strides, offset)
@@ -616,6 +637,9 @@ class _Trace:
             return env[src][idx]
         if kind == "sym":
             return self.padded_int(expr_of(node.meta["val"]))
+        if kind == "convert":
+            value = env[node.args[0]]
+            return cast(value, device_dtype(node.meta["val"].dtype, "convert_element_type"))
         values = sig.bind(node.args, node.kwargs, missing=None)
         positional = node in self.p.positional
         call = _Call(self, node, sig, values, env, compact=positional)
