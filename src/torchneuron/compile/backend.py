@@ -177,6 +177,13 @@ class StaticShapes:
         return fn(*args)
 
 
+# What symbolic decompositions leave in graphs that GraphProgram has no lowering for.
+_RETRACE = {
+    torch.ops.prims.convert_element_type.default: lambda x, dtype: x.to(dtype),
+    torch.ops.aten.true_divide.Tensor: torch.div,
+}
+
+
 def static_aten_program(aten_gm, kind, fallback, name, dump_dir):
     """A symbolic ATen graph compiled once per concrete input shape (the bucketed path's fallback):
     each new shape retraces the graph with its concrete sizes."""
@@ -189,7 +196,7 @@ def static_aten_program(aten_gm, kind, fallback, name, dump_dir):
             if programs:
                 metrics.recompiles["new input shapes (a bucketed graph without dynamic rules)"] += 1
             from torch.fx.experimental.proxy_tensor import make_fx  # loads with the first fallback
-            static_gm = make_fx(aten_gm, tracing_mode="fake")(*args)
+            static_gm = make_fx(aten_gm, tracing_mode="fake", decomposition_table=_RETRACE)(*args)
             with unset_fake_temporarily():
                 prog = programs[key] = GraphProgram(static_gm, kind, fallback=fallback, name=name,
                                                     dump_dir=dump_dir)
