@@ -788,6 +788,30 @@ def _arg_reduction(call):
     return call.apply()
 
 
+def _sort_pad(dtype, descending):
+    """A value the lowering's stable sort puts after every true element (ties keep the true ones
+    first): NaN ascending (PyTorch sorts NaN last), the lowest value descending."""
+    if descending:
+        return dyn.identity("max", dtype)
+    return jnp.nan if jnp.issubdtype(dtype, jnp.floating) else dyn.identity("min", dtype)
+
+
+@rule("sort.default", "sort.stable", "topk.default")
+def _sort(call):
+    x = call.arrays[0]
+    dim = call.values[call.arg("dim")]
+    dim = (-1 if dim is None else dim) % x.ndim
+    lens = call.lens(0)
+    if lens[dim] is None:
+        return call.apply()
+    if "largest" in call.sig.index_of:
+        descending = call.values[call.arg("largest")] in (None, True)
+    else:
+        descending = bool(call.values[call.arg("descending")])
+    call.arrays[0] = dyn.masked(x, lens, _sort_pad(x.dtype, descending), (dim,))
+    return call.apply()
+
+
 @rule("var.correction", "var_mean.correction", "std.correction")
 def _var(call):
     x = call.arrays[0]
