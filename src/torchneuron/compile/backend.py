@@ -2,8 +2,10 @@
 
 Shapes are static, as on TorchNeuron: a graph Dynamo traced symbolically (``dynamic=True``, or
 Dynamo's automatic dynamic shapes after a size change) is compiled once per concrete shape, each
-new shape counted in ``metrics.recompiles``. Dynamo's own recompiles and graph breaks are counted
-there too, keyed by their reason.
+new shape counted in ``metrics.recompiles``; with ``config.shapes = "bucketed"`` (or
+``options={"shapes": "bucketed"}``) such a graph compiles once per shape bucket instead
+(``compile/dynamic.py``). Dynamo's own recompiles and graph breaks are counted there too, keyed by
+their reason.
 """
 
 from __future__ import annotations
