@@ -80,3 +80,31 @@ def test_the_report_shows_today_and_the_proposal_side_by_side():
     assert f"{100 * today['waste']:.1f}%" in md
     proposed = report["shapes"][0]["proposal"]["cost"]
     assert ", ".join(map(str, proposed["buckets"])) in md
+
+
+def test_a_bucketed_compile_stream_feeds_the_advisor(monkeypatch):
+    import torch
+
+    import torchneuron
+
+    torch._dynamo.reset()
+    torchneuron.metrics.reset()
+    monkeypatch.setattr(torchneuron.config, "shapes", "bucketed")
+    monkeypatch.setattr(torchneuron.config, "shape_buckets", "pow2")
+
+    def f(x):
+        return (x * 2).softmax(0).sum(0)
+
+    cf = torch.compile(f, backend="neuron", dynamic=True)
+    lengths = [7, 13, 29, 30, 13, 61]
+    for n in lengths:
+        x = torch.linspace(-3, 3, n * 4).reshape(n, 4)
+        assert torch.allclose(cf(x.to("neuron")).cpu(), f(x), atol=1e-6)
+    m = torchneuron.metrics()
+    (dim,) = [d for d, sizes in m["dynamic_sizes"].items() if len(sizes) > 1]   # the other dim stays 4
+    assert m["dynamic_sizes"][dim] == {7: 1, 13: 2, 29: 1, 30: 1, 61: 1}
+    assert m["bucket_compiles"][dim] == {16: 1, 32: 1, 64: 1}
+    assert m["dynamic_ladders"][dim] == "pow2 from 16"
+    (entry,) = [e for e in buckets.advise(m) if e["dim"] == dim]
+    assert entry["today"]["compiles"] == 3 and entry["today"]["buckets"] == [16, 32, 64]
+    torch._dynamo.reset()

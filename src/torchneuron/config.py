@@ -19,6 +19,7 @@ _CHOICES = {
     "eager_mode": ("plain", "adaptive"),
     "compile_fallback": ("error", "eager"),
     "device_checks": ("deferred", "sync", "off"),
+    "shapes": ("static", "bucketed"),
 }
 
 
@@ -89,6 +90,13 @@ class Config:
     # at the next synchronisation point ("deferred"), right after each checked op ("sync"), or not
     # compiled at all ("off").
     device_checks: str = "deferred"
+    # torch.compile graphs Dynamo traced with symbolic shapes (dynamic=True, mark_dynamic, automatic
+    # dynamic): compiled once per concrete shape ("static"), or once per shape bucket with the pad
+    # masked ("bucketed", docs/shapes.md).
+    shapes: str = "static"
+    # The buckets of config.shapes="bucketed": "pow2" (powers of two from 16), "pow2:<min>", or
+    # increasing sizes "64,128,256" (a size above the largest is an error naming the dim).
+    shape_buckets: str = "pow2"
     # Persistent compilation cache for torch.compile executables ("" disables it).
     cache_dir: str = field(default_factory=_default_cache_dir)
     # When set, each compiled graph's FX code and StableHLO text are written here.
@@ -186,6 +194,16 @@ def _validated(name: str, value):
         value = value.strip().lower()
     if name in _CHOICES and value not in _CHOICES[name]:
         raise ValueError(f"torchneuron: {where} must be one of {_CHOICES[name]}, got {value!r}")
+    if name == "shape_buckets":
+        value = value.strip().lower().replace(" ", "")
+        ok = value == "pow2" or (value.startswith("pow2:") and value[5:].isdigit() and int(value[5:]) > 0)
+        if not ok:
+            parts = value.split(",")
+            ok = all(p.isdigit() and int(p) > 0 for p in parts) and \
+                [int(p) for p in parts] == sorted({int(p) for p in parts})
+        if not ok:
+            raise ValueError(f"torchneuron: {where} must be 'pow2', 'pow2:<min>' or increasing positive "
+                             f"sizes like '64,128,256', got {value!r}")
     if name == "platform" and not value:
         raise ValueError(f"torchneuron: {where} must name a PJRT platform, e.g. 'cpu'")
     return value

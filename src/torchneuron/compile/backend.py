@@ -2,8 +2,10 @@
 
 Shapes are static, as on TorchNeuron: a graph Dynamo traced symbolically (``dynamic=True``, or
 Dynamo's automatic dynamic shapes after a size change) is compiled once per concrete shape, each
-new shape counted in ``metrics.recompiles``. Dynamo's own recompiles and graph breaks are counted
-there too, keyed by their reason.
+new shape counted in ``metrics.recompiles``; with ``config.shapes = "bucketed"`` (or
+``options={"shapes": "bucketed"}``) such a graph compiles once per shape bucket instead
+(``compile/dynamic.py``). Dynamo's own recompiles and graph breaks are counted there too, keyed by
+their reason.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from ..metrics import metrics
 from ..ops import registry
 from ..ops.signature import mutates, registry_name
 from ..runtime import fork
-from . import dynamo_hooks, graph
+from . import dynamic, dynamo_hooks, graph
 from .graph import GraphProgram
 
 fork.forbid(GraphProgram, "__call__", "running a torch.compile graph")
 fork.forbid(graph, "_plain_call", "running a torch.compile graph")   # what profiler tracing swaps back in
+fork.forbid(dynamic.BucketedProgram, "__call__", "running a torch.compile graph")
 
-_OPTIONS = ("fallback", "dump_dir")
+_OPTIONS = ("fallback", "dump_dir", "shapes", "buckets")
 _graph_ids = itertools.count()
 
 
@@ -39,6 +42,8 @@ _graph_ids = itertools.count()
 class CompileOptions:
     fallback: str = "error"
     dump_dir: str = ""
+    shapes: str = "static"
+    buckets: object = None
 
     @classmethod
     def parse(cls, options, mode) -> CompileOptions:
@@ -53,7 +58,14 @@ class CompileOptions:
         if mode not in (None, "default"):
             warnings.warn(f"torchneuron: torch.compile mode={mode!r} has no effect on the neuron backend",
                           stacklevel=3)
-        return cls(fallback, options.get("dump_dir") or config.dump_dir)
+        shapes = options.get("shapes") or config.shapes
+        if shapes not in ("static", "bucketed"):
+            raise ValueError(f"torchneuron: options['shapes'] must be 'static' or 'bucketed', got {shapes!r}")
+        buckets = options.get("buckets")
+        if buckets is not None:
+            buckets = tuple(buckets) if isinstance(buckets, list | tuple) else buckets
+            dynamic.parse_buckets(buckets)       # validated now, not at the first call
+        return cls(fallback, options.get("dump_dir") or config.dump_dir, shapes, buckets)
 
 
 def neuron_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None):
@@ -62,6 +74,9 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
     dynamo_hooks.install(neuron_backend)
     dynamo_hooks.note_recompile()
     if _is_symbolic(example_inputs):
+        if opts.shapes == "bucketed":
+            # One executable per shape bucket (compile/dynamic.py): AOTAutograd keeps the symbols.
+            return _compile_aot(gm, example_inputs, opts, bucketed=True)
         if not torch._dynamo.config.assume_static_by_default:
             warnings.warn(
                 "torchneuron: torch.compile(dynamic=True) is ignored by the neuron backend: like "
@@ -73,7 +88,7 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
     return _compile_aot(gm, example_inputs, opts)
 
 
-def _compile_aot(gm, example_inputs, opts: CompileOptions):
+def _compile_aot(gm, example_inputs, opts: CompileOptions, bucketed: bool = False):
 
     graph_id = next(_graph_ids)
 
@@ -83,6 +98,10 @@ def _compile_aot(gm, example_inputs, opts: CompileOptions):
             # as real tensors (torch.tensor([...], device=...) in the compiled code, transformers'
             # DynamicCache) are read to the host while planning: that must run on real tensors.
             with unset_fake_temporarily():
+                if bucketed:
+                    return dynamic.BucketedProgram(aten_gm, kind, fallback=opts.fallback,
+                                                   name=f"g{graph_id}_{kind}", dump_dir=opts.dump_dir,
+                                                   buckets=opts.buckets)
                 return GraphProgram(aten_gm, kind, fallback=opts.fallback, name=f"g{graph_id}_{kind}",
                                     dump_dir=opts.dump_dir)
         return compile_graph
@@ -160,3 +179,30 @@ class StaticShapes:
                 metrics.recompiles["new input shapes (the neuron backend compiles static shapes)"] += 1
             fn = self.compiled[key] = _compile_aot(self.gm, list(args), self.opts)
         return fn(*args)
+
+
+# What symbolic decompositions leave in graphs that GraphProgram has no lowering for.
+_RETRACE = {
+    torch.ops.prims.convert_element_type.default: lambda x, dtype: x.to(dtype),
+    torch.ops.aten.true_divide.Tensor: torch.div,
+}
+
+
+def static_aten_program(aten_gm, kind, fallback, name, dump_dir):
+    """A symbolic ATen graph compiled once per concrete input shape (the bucketed path's fallback):
+    each new shape retraces the graph with its concrete sizes."""
+    programs: dict = {}
+
+    def run(args):
+        key = tuple(_concrete_key(a) for a in args)
+        prog = programs.get(key)
+        if prog is None:
+            if programs:
+                metrics.recompiles["new input shapes (a bucketed graph without dynamic rules)"] += 1
+            from torch.fx.experimental.proxy_tensor import make_fx  # loads with the first fallback
+            static_gm = make_fx(aten_gm, tracing_mode="fake", decomposition_table=_RETRACE)(*args)
+            with unset_fake_temporarily():
+                prog = programs[key] = GraphProgram(static_gm, kind, fallback=fallback, name=name,
+                                                    dump_dir=dump_dir)
+        return prog(list(args))
+    return run

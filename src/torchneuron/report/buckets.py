@@ -34,10 +34,23 @@ def bucket_of(size: int, ladder) -> int | None:
     return ladder[i] if i < len(ladder) else None
 
 
+def expand_ladder(ladder, largest: int) -> list[int]:
+    """A ladder as sizes: a list as it is; ``"pow2 from N"`` (the open-ended power-of-two ladder)
+    as its buckets up to the first that holds ``largest``."""
+    if isinstance(ladder, str):
+        size = int(ladder.rsplit(" ", 1)[1])
+        out = [size]
+        while size < largest:
+            size *= 2
+            out.append(size)
+        return out
+    return sorted(set(int(b) for b in ladder))
+
+
 def ladder_cost(hist, ladder) -> dict:
     """What a ladder costs on a histogram: buckets used (compiles), real and padded elements, the
     padding share of the padded work, and the calls no bucket holds."""
-    ladder = sorted(set(int(b) for b in ladder))
+    ladder = expand_ladder(ladder, hist[-1][0] if hist else 0)
     used, real, padded, over = set(), 0, 0, 0
     for size, calls in hist:
         b = bucket_of(size, ladder)

@@ -1,0 +1,1225 @@
+"""Bucketed dynamic dimensions (``config.shapes = "bucketed"``): one executable per shape bucket.
+
+A graph Dynamo traced symbolically reaches AOTAutograd with its symbolic shapes, so the ATen graphs
+it hands the compilers have SymInt placeholders and nodes whose ``meta["val"]`` shapes are
+expressions of the symbols (``s0``, ``s0*s1``, ``s0 - 1``). ``BucketedProgram`` compiles such a
+graph once per **bucket** of its symbols:
+
+* every symbol's true value is read from the call's inputs and rounded up to its bucket
+  (``bucket_for``: powers of two from 16 by default, or the listed sizes of
+  ``config.shape_buckets`` / ``options={"buckets": ...}``);
+* each input is padded with zeros to its shape evaluated at the buckets (a small per-shape pad
+  executable, counted in ``metrics.extra["bucketed_pad_compiles"]``), and the true symbol values
+  are runtime inputs of the graph's executable (traced integer scalars);
+* every node is evaluated on padded arrays with the invariant "along each padded dim the first
+  true-size elements are exact, the rest is don't-care"; the ops whose result depends on the padded
+  extent are made exact by masking (``RULES`` here, the JAX functions in ``ops/dynamic.py``), the
+  elementwise ops pass through; a dim merging several dynamic dims (``[b, t, c] -> [b*t, c]``) is
+  laid out as their padded box (``ops.dynamic.Factors``), so reshapes between such shapes stay
+  plain reshapes, and the ops that read positions along it see it compacted (``positional``);
+* outputs are cut back to their true shapes (a small per-shape slice executable), SymInt outputs
+  are computed on the host from the true symbol values.
+
+A graph with an op that has no rule yet is not run wrongly: it compiles per concrete shape, as
+``config.shapes = "static"`` does (counted in ``metrics.extra["bucketed_fallbacks"]`` and
+``metrics.recompiles``, one warning naming the op).
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import sympy
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._sympy.functions import FloorDiv, Mod
+
+from ..config import config
+from ..metrics import metrics
+from ..ops import checks
+from ..ops import dynamic as dyn
+from ..ops.signature import cast, registry_name, signature_for
+from ..runtime import deferred, inputs, layout, memory, rng, sites
+from ..runtime.device import current_device, device_mismatch_error
+from ..runtime.dtypes import device_dtype, jax_dtype
+from ..runtime.inputs import Inputs
+from . import executables
+from .errors import NodeFailure, meta_of
+from .interpreter import _apply, _lookup
+
+_records = memory.allocator.records
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_AS_STRIDED = torch.ops.aten.as_strided.default.redispatch
+
+_NOOPS = frozenset({
+    "_assert_tensor_metadata.default", "_assert_scalar.default", "_functional_assert_async.msg",
+    "_assert_async.default", "_assert_async.msg", "sym_constrain_range_for_size.default",
+    "sym_constrain_range.default", "_print.default",
+})
+_CONVERT = torch.ops.prims.convert_element_type.default
+# Ops symbolic decompositions leave in graphs, lowered as the op they alias.
+_ALIASES = {"true_divide.Tensor": torch.ops.aten.div.Tensor}
+_SYM_OPS = frozenset({"sym_size.int", "sym_numel.default", "sym_stride.int", "sym_storage_offset.default"})
+_SYM_FUNCTIONS = frozenset({operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod,
+                            operator.neg, torch.sym_max, torch.sym_min, torch.sym_sum})
+
+# Ops exact on padded arrays as they are (besides those tagged pointwise): views and layout, and
+# factories whose symbolic sizes are filled up to the bucket.
+_PASS = frozenset({
+    "permute.default", "transpose.int", "t.default", "unsqueeze.default", "squeeze.dim", "squeeze.dims",
+    "squeeze.default", "expand.default", "clone.default", "_to_copy.default", "alias.default",
+    "detach.default", "lift_fresh_copy.default", "contiguous.default", "triu.default", "tril.default",
+    "scalar_tensor.default", "full.default", "ones.default", "zeros.default", "empty.memory_format",
+    "full_like.default", "zeros_like.default", "ones_like.default", "empty_like.default",
+    "new_zeros.default", "new_ones.default", "new_full.default", "new_empty.default",
+    "empty_strided.default", "copy.default", "cumsum.default", "cumprod.default", "_unsafe_view.default", "view.default", "reshape.default",
+})
+
+
+# Random ops whose every element is drawn on its own: the pad draws don't-care values.
+_RANDOM_ELEMENTWISE = frozenset({
+    "native_dropout.default", "rand_like.default", "randn_like.default", "rand.default", "randn.default",
+    "bernoulli.p", "bernoulli.default", "uniform.default", "normal.Tensor_float", "normal.float_Tensor",
+})
+_PASS = _PASS | _RANDOM_ELEMENTWISE
+
+# Ops exact on a merged dim laid out as its padded box (``Factors``): they act on each position
+# alone, or mask through ``valid_mask``. Other ops see such dims compacted to a prefix.
+_AGNOSTIC = frozenset({
+    "permute.default", "transpose.int", "t.default", "unsqueeze.default", "squeeze.dim", "squeeze.dims",
+    "squeeze.default", "expand.default", "clone.default", "_to_copy.default", "alias.default",
+    "detach.default", "lift_fresh_copy.default", "contiguous.default", "scalar_tensor.default",
+    "full.default", "ones.default", "zeros.default", "empty.memory_format", "full_like.default",
+    "zeros_like.default", "ones_like.default", "empty_like.default", "new_zeros.default",
+    "new_ones.default", "new_full.default", "new_empty.default", "copy.default",
+    "view.default", "_unsafe_view.default", "reshape.default",
+    "sum.dim_IntList", "sum.default", "nansum.default", "mean.dim", "mean.default", "amax.default",
+    "max.default", "amin.default", "min.default", "prod.dim_int", "prod.default", "any.dim", "any.dims",
+    "any.default", "all.dim", "all.dims", "all.default", "logsumexp.default", "var.correction",
+    "var_mean.correction", "std.correction",
+    "mm.default", "bmm.default", "addmm.default", "baddbmm.default", "dot.default", "mv.default",
+    "_softmax.default", "_log_softmax.default", "_softmax_backward_data.default",
+    "_log_softmax_backward_data.default", "native_layer_norm.default", "native_layer_norm_backward.default",
+    "embedding.default", "embedding_dense_backward.default", "nll_loss_forward.default",
+    "nll_loss_backward.default", "split.Tensor", "split_with_sizes.default",
+}) | _RANDOM_ELEMENTWISE
+
+# Ops whose rule reads dynamic sizes passed as plain int arguments (not lists of sizes).
+_SIZE_ARGS_HANDLED = frozenset({"slice.Tensor", "select.int", "arange.default", "arange.start",
+                                "arange.start_step"})
+
+
+class NoRule(Exception):
+    """A node of a symbolic graph that the bucketed path cannot evaluate exactly."""
+
+    def __init__(self, op, why):
+        super().__init__(f"{op}: {why}")
+        self.op, self.why = op, why
+
+
+# -- buckets ---------------------------------------------------------------------------------------
+def parse_buckets(spec) -> tuple:
+    """``"pow2"`` (powers of two from 16), ``"pow2:<min>"``, or an increasing list of sizes."""
+    if spec is None or spec == "" or spec == "pow2":
+        return ("pow2", 16)
+    if isinstance(spec, str) and spec.startswith("pow2:"):
+        return ("pow2", int(spec[5:]))
+    sizes = spec.split(",") if isinstance(spec, str) else list(spec)
+    sizes = tuple(sorted(int(s) for s in sizes))
+    if not sizes or sizes[0] <= 0:
+        raise ValueError(f"torchneuron: shape buckets must be positive sizes, got {spec!r}")
+    return ("list", sizes)
+
+
+def _ladder_text(buckets):
+    """The ladder in force as the advisor shows it: its sizes, or "pow2 from N"."""
+    kind, arg = buckets
+    return list(arg) if kind == "list" else f"pow2 from {arg}"
+
+
+def bucket_for(value: int, buckets, what: str = "a dynamic dim") -> int:
+    kind, arg = buckets
+    if kind == "pow2":
+        size = arg
+        while size < value:
+            size *= 2
+        return size
+    for size in arg:
+        if size >= value:
+            return size
+    raise ValueError(
+        f"torchneuron: {what} has size {value}, above the largest shape bucket {arg[-1]} "
+        f"(buckets {list(arg)}); add a larger bucket to config.shape_buckets "
+        f"(TORCHNEURON_SHAPE_BUCKETS) or torch.compile(options={{'buckets': [...]}}), or use 'pow2'")
+
+
+# -- symbolic expressions --------------------------------------------------------------------------
+def expr_of(v):
+    """The sympy expression of a SymInt or int (an Integer for a static size)."""
+    if isinstance(v, torch.SymInt):
+        return v.node.expr
+    return sympy.Integer(int(v))
+
+
+def evaluate(expr, values):
+    """``expr`` with the symbols' values (Python ints or traced scalars)."""
+    if isinstance(expr, sympy.Integer | int):
+        return int(expr)
+    if isinstance(expr, sympy.Symbol):
+        return values[expr]
+    args = [evaluate(a, values) for a in expr.args]
+    if isinstance(expr, sympy.Add):
+        out = args[0]
+        for a in args[1:]:
+            out = out + a
+        return out
+    if isinstance(expr, sympy.Mul):
+        out = args[0]
+        for a in args[1:]:
+            out = out * a
+        return out
+    if isinstance(expr, FloorDiv):
+        return args[0] // args[1]
+    if isinstance(expr, Mod):
+        return args[0] % args[1]
+    if isinstance(expr, sympy.Pow) and isinstance(expr.args[1], sympy.Integer) and int(expr.args[1]) >= 0:
+        return args[0] ** int(expr.args[1])
+    if type(expr).__name__ == "Max":
+        out = args[0]
+        for a in args[1:]:
+            out = jnp.maximum(out, a) if not isinstance(out, int) or not isinstance(a, int) else max(out, a)
+        return out
+    if type(expr).__name__ == "Min":
+        out = args[0]
+        for a in args[1:]:
+            out = jnp.minimum(out, a) if not isinstance(out, int) or not isinstance(a, int) else min(out, a)
+        return out
+    raise NoRule("sym", f"the size expression {expr} ({type(expr).__name__}) is not supported")
+
+
+def factors(expr, order) -> list:
+    """``expr`` as its row-major factors: symbolic factors outer (in the symbols' binding
+    ``order``), one static factor innermost (omitted when 1); a static size is ``[n]``."""
+    if _is_static(expr):
+        return [sympy.Integer(int(expr))]
+    parts = sympy.Mul.make_args(sympy.factor(expr)) if isinstance(expr, sympy.Add | sympy.Mul) else (expr,)
+    static, symbolic = 1, []
+    for part in parts:
+        if isinstance(part, sympy.Integer):
+            static *= int(part)
+        elif isinstance(part, sympy.Pow) and isinstance(part.args[1], sympy.Integer) and int(part.args[1]) > 1:
+            symbolic.extend([part.args[0]] * int(part.args[1]))
+        else:
+            symbolic.append(part)
+    if static < 0:
+        return [expr]
+    symbolic.sort(key=lambda f: min((order.get(x, len(order)) for x in f.free_symbols), default=0))
+    return symbolic + ([sympy.Integer(static)] if static != 1 else [])
+
+
+def compound(expr, order) -> bool:
+    """A size that merges two or more dynamic sizes: laid out as their padded box (``Factors``)."""
+    return not _is_static(expr) and sum(1 for f in factors(expr, order) if not _is_static(f)) >= 2
+
+
+def _shape_exprs(t):
+    return tuple(expr_of(s) for s in t.shape)
+
+
+def _is_static(expr) -> bool:
+    return isinstance(expr, sympy.Integer | int)
+
+
+# -- the program -----------------------------------------------------------------------------------
+class BucketedProgram:
+    """A symbolic ATen graph compiled once per bucket of its symbols (boxed call, like GraphProgram)."""
+
+    def __init__(self, gm, kind, *, fallback="error", name="graph", dump_dir=None, buckets=None):
+        self.gm, self.kind, self.fallback, self.name, self.dump_dir = gm, kind, fallback, name, dump_dir
+        self._boxed_call = True
+        self.buckets = parse_buckets(buckets if buckets is not None else config.shape_buckets)
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        self.executables: dict = {}
+        self._lock = threading.Lock()
+        self.static = None           # the per-shape fallback, when the graph has no rule somewhere
+        self.device_checks = config.device_checks
+        try:
+            self._plan()
+        except NoRule as err:
+            self._fall_back(err)
+
+    # -- planning ----------------------------------------------------------------------------------
+    def _plan(self):
+        self.symbols = []       # the bound symbols, in binding order
+        self.binders = []       # (placeholder index, None | dim, symbol)
+        self.where = {}         # symbol -> the input and dim it is read from (for messages)
+        self.dim_names = {}     # symbol -> its name in metrics.dynamic_sizes (graph, input, dim)
+        bound = set()
+
+        def bind(size, i, d, where):
+            e = expr_of(size)
+            if isinstance(e, sympy.Symbol) and e not in bound:
+                bound.add(e)
+                self.symbols.append(e)
+                self.binders.append((i, d, e))
+                self.where[e] = where.format(e=e)
+                self.dim_names[e] = f"{self.name}: {self.where[e]}"   # the advisor's name of the dim
+
+        for i, ph in enumerate(self.placeholders):
+            v = ph.meta.get("val")
+            if isinstance(v, torch.SymInt):
+                bind(v, i, None, f"the dynamic size {{e}} (input {ph.name})")
+            elif isinstance(v, torch.Tensor):
+                if v.device.type != "neuron" and (v.device.type != "cpu" or _free_symbols(v)):
+                    raise NoRule("input", f"a {v.device.type} tensor input" +
+                                 (" with dynamic sizes" if v.device.type == "cpu" else ""))
+                for d, s in enumerate(v.shape):
+                    bind(s, i, d, f"dim {d} of input {ph.name} (symbol {{e}})")
+            elif isinstance(v, torch.SymFloat | torch.SymBool):
+                raise NoRule("input", "a SymFloat/SymBool input")
+        self.order = {e: k for k, e in enumerate(self.symbols)}
+        self.positional = set()
+        self.steps = []
+        for node in self.gm.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            if node.op != "call_function":
+                raise NoRule(str(node.target), f"FX node kind {node.op!r}")
+            target = node.target
+            val = node.meta.get("val")
+            for e in _free_symbols(val):
+                if e not in bound:
+                    raise NoRule(_op_name(node), f"the symbol {e} is not a graph input's size")
+            for e in _size_exprs(val):
+                if not _grows(e):
+                    # Evaluated at the buckets, such a size could be smaller than the true one.
+                    raise NoRule(_op_name(node), f"the size {e} does not grow with its symbols")
+            if target is operator.getitem:
+                self.steps.append((node, "getitem", None, None))
+                continue
+            if target in _SYM_FUNCTIONS or (isinstance(target, torch._ops.OpOverload)
+                                             and registry_name(target) in _SYM_OPS):
+                if not isinstance(val, torch.SymInt | int):
+                    raise NoRule(_op_name(node), "a symbolic value that is not an integer")
+                self.steps.append((node, "sym", None, None))
+                continue
+            if target is _CONVERT:
+                # Some decompositions of symbolic graphs cast with the prim itself.
+                self.steps.append((node, "convert", None, None))
+                continue
+            if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+                raise NoRule(str(target), "only ATen operators have dynamic rules")
+            name = registry_name(target)
+            if name in _NOOPS:
+                continue
+            if name in _ALIASES:
+                target = _ALIASES[name]
+                name = registry_name(target)
+            sig = signature_for(target, config.platform)
+            if sig is None:
+                raise NoRule(name, "the op has no neuron lowering")
+            if sig.mutated:
+                raise NoRule(name, "in-place updates are not bucketed yet")
+            if sig.lowering.random and name not in _RANDOM_ELEMENTWISE:
+                raise NoRule(name, "random ops other than elementwise ones are not bucketed yet")
+            if name not in _SIZE_ARGS_HANDLED:
+                for i in sig.static:
+                    v = sig.bind(node.args, node.kwargs, missing=None)[i]
+                    if isinstance(v, torch.fx.Node) and _free_symbols(v.meta.get("val")):
+                        raise NoRule(name, f"a dynamic size as its argument {sig.arg_names[i]!r}")
+            rule = _rule_for(name, target, node)
+            if not (name in _AGNOSTIC or torch.Tag.pointwise in target.tags) and _touches_compound(node, self.order):
+                self.positional.add(node)
+            self.steps.append((node, "op", sig, rule))
+        for out in _flat(self.output_node.args[0]):
+            if isinstance(out, torch.fx.Node) and isinstance(out.meta.get("val"), torch.SymFloat | torch.SymBool):
+                raise NoRule("output", "a SymFloat/SymBool output")
+        self.random = any(sig is not None and sig.lowering.random for _, _, sig, _ in self.steps)
+
+    def _fall_back(self, err: NoRule):
+        from .backend import static_aten_program  # the static path lives beside the backend
+        reason = f"{err.op} ({err.why})"
+        metrics.extra["bucketed_fallbacks"] += 1
+        metrics.extra[f"bucketed_fallback: {reason}"] += 1
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"torchneuron: config.shapes='bucketed': {err.op} has no dynamic-shape rule "
+                          f"({err.why}); this {self.kind} graph compiles once per concrete shape, as with "
+                          "config.shapes='static'", stacklevel=3)
+        self.static = static_aten_program(self.gm, self.kind, self.fallback, self.name, self.dump_dir)
+
+    # -- calling -----------------------------------------------------------------------------------
+    def __call__(self, *args):
+        if len(args) == 1 and isinstance(args[0], list):
+            boxed = args[0]
+            args = list(boxed)
+            boxed.clear()
+        else:
+            args = list(args)
+        if self.static is not None:
+            return self.static(args)
+        values = {}
+        for i, d, e in self.binders:
+            a = args[i]
+            values[e] = int(a) if d is None else int(a.shape[d])
+        buckets = {}
+        for e in self.symbols:
+            buckets[e] = bucket_for(values[e], self.buckets, self.where[e])
+            metrics.dynamic_sizes[self.dim_names[e]][values[e]] += 1   # for the bucket advisor
+        padded_inputs, ins, specs = self._inputs(args, values, buckets)
+        device_index = ins.device_index
+        # What decides the program: the buckets, every input's spec and the sizes of the storages
+        # the static inputs read (runtime/inputs.py); true sizes and view offsets are runtime inputs.
+        key = (tuple(buckets[e] for e in self.symbols), tuple(specs), tuple(ins.storages))
+        direct = [*ins.bufs, *ins.runtime]
+        sym_inputs = [np.asarray(values[e], np.int64) for e in self.symbols]
+        if self.random:
+            gen = rng.generator(device_index if device_index is not None else current_device())
+            sym_inputs.extend(gen.next_key_inputs())
+        exe = self.executables.get(key)
+        if exe is None:
+            with self._lock:
+                exe = self.executables.get(key)
+                if exe is None:
+                    try:
+                        exe = self._compile(key, buckets, specs, padded_inputs, ins, sym_inputs)
+                    except NoRule as err:
+                        self._fall_back(err)
+                        return self.static(args)
+                    self.executables[key] = exe
+        results = exe["call"](*padded_inputs, *direct, *sym_inputs)
+        return self._finish(exe, results, args, values, device_index)
+
+    def _inputs(self, args, values, buckets):
+        """(padded arrays, the static and host inputs collected as every graph collects them
+        (``runtime/inputs.py``), a spec per placeholder)."""
+        ins = Inputs()
+        to_pad, specs, pad_specs = [], [], []
+        for ph, a in zip(self.placeholders, args):
+            v = ph.meta.get("val")
+            if not isinstance(v, torch.Tensor):
+                specs.append(None)
+                continue
+            if a.device.type == "cpu" and v.device.type == "cpu":
+                # A CPU tensor of static shape (a scale constant): uploaded by the call, counted.
+                specs.append(("graph", ins.graph_arg(a)))
+                continue
+            if a.device.type != "neuron":
+                raise RuntimeError(f"torchneuron: a bucketed graph got an input on {a.device}; move it to "
+                                   "the neuron device first")
+            exprs = _shape_exprs(v)
+            if all(_is_static(e) for e in exprs):
+                specs.append(("graph", ins.graph_arg(a)))
+                continue
+            rec = memory.record_of(a)
+            if ins.device_index is None:
+                ins.device_index = rec.device_index
+            elif rec.device_index != ins.device_index:
+                raise device_mismatch_error(a, ins.device_index)
+            padded = tuple(_padded(e, buckets) for e in exprs)
+            view = (a.dtype, tuple(a.shape), a.stride(), a.storage_offset(), rec.numel)
+            specs.append(("padded", len(to_pad), a.dtype, padded))
+            to_pad.append(memory.empty_buffer(rec))
+            pad_specs.append((view, *self._split(exprs, values, buckets), padded))
+        padded_inputs = _pad(tuple(pad_specs), to_pad) if to_pad else []
+        return list(padded_inputs), ins, specs
+
+    def _split(self, exprs, values, buckets):
+        """(true, padded) sizes of a shape with its compound dims split into their factors: how
+        an input is padded into (an output cut out of) the padded box."""
+        true, padded = [], []
+        for e in exprs:
+            fs = factors(e, self.order) if compound(e, self.order) else [e]
+            true.extend(int(evaluate(f, values)) for f in fs)
+            padded.extend(_padded(f, buckets) for f in fs)
+        return tuple(true), tuple(padded)
+
+    def _compile(self, key, buckets, specs, padded_inputs, ins, sym_inputs):
+        if self.executables:
+            metrics.recompiles[f"{self.kind} graph: a new shape bucket (config.shapes='bucketed')"] += 1
+        for e in self.symbols:   # for the bucket advisor: compiles per bucket, and the ladder
+            metrics.bucket_compiles[self.dim_names[e]][buckets[e]] += 1
+            metrics.dynamic_ladders[self.dim_names[e]] = _ladder_text(self.buckets)
+        tracer = _Trace(self, buckets, specs, len(padded_inputs), len(ins.bufs), len(ins.runtime))
+        tracer.__name__ = f"neuron_bucketed_{self.kind}"
+        try:
+            _, compiled, _ = executables.compile_traced(tracer, [*padded_inputs, *ins.bufs],
+                                                        [*ins.runtime, *sym_inputs])
+        except NodeFailure as failure:
+            if isinstance(failure.error, NoRule):
+                raise failure.error from None
+            raise NoRule(_op_name(failure.node), f"{type(failure.error).__name__}: {failure.error}") from None
+        metrics.extra["bucketed_graph_compiles"] += 1
+        return {"call": compiled, "outputs": tracer.output_kinds, "checks": tracer.checks, "buckets": buckets}
+
+    def _finish(self, exe, results, args, values, device_index):
+        dev = device_index if device_index is not None else current_device()
+        outs, cut, cut_specs = [], [], []
+        results = list(results)
+        nres = sum(1 for kind, _ in exe["outputs"] if kind == "array")
+        if exe["checks"]:
+            outcome = results[nres]
+            if self.device_checks == "sync":
+                deferred.check_now(outcome, exe["checks"])
+            else:
+                deferred.defer(outcome, exe["checks"], sites.place(__import__("sys")._getframe()))
+        for kind, what in exe["outputs"]:
+            if kind == "array":
+                node, j = what
+                val = node.meta["val"]
+                sizes = tuple(int(evaluate(e, values)) for e in _shape_exprs(val))
+                strides = tuple(int(evaluate(expr_of(s), values)) for s in val.stride())
+                if not layout.is_dense(sizes, strides):
+                    strides = memory.contiguous_strides(sizes)
+                cut_specs.append((sizes, strides, *self._split(_shape_exprs(val), values, exe["buckets"])))
+                cut.append(results[j])
+                outs.append(("cut", len(cut) - 1, val.dtype, sizes, strides))
+            else:
+                outs.append((kind, what))
+        bufs = _cut(tuple(cut_specs), cut) if cut else []
+        final = []
+        for o in outs:
+            kind = o[0]
+            if kind == "cut":
+                _, j, dtype, sizes, strides = o
+                final.append(memory.new_buffer_tensor(bufs[j], dtype, dev, sizes, strides))
+            elif kind == "input":
+                final.append(args[o[1]])
+            elif kind == "view":
+                i, sizes, strides, offset = o[1]
+                final.append(_AS_STRIDED(_CPU_KEYS, args[i], [int(evaluate(e, values)) for e in sizes],
+                                         [int(evaluate(e, values)) for e in strides], int(evaluate(offset, values))))
+            elif kind == "sym":
+                final.append(int(evaluate(o[1], values)))
+            else:
+                final.append(o[1])
+        return final
+
+
+_warned: set = set()
+
+
+class _Trace:
+    """The traced function of one bucket: (padded arrays..., static buffers..., true sizes...)."""
+
+    def __init__(self, program, buckets, specs, npad, nbufs, nruntime):
+        self.p, self.buckets, self.specs = program, buckets, specs
+        self.npad, self.nbufs, self.nruntime = npad, nbufs, nruntime
+        self.output_kinds = []
+        self.checks = ()
+
+    def __call__(self, *flat):
+        p = self.p
+        padded = flat[:self.npad]
+        bufs = flat[self.npad:self.npad + self.nbufs]
+        rt = iter(flat[self.npad + self.nbufs:self.npad + self.nbufs + self.nruntime])
+        trues = flat[self.npad + self.nbufs + self.nruntime:]
+        self.values = dict(zip(p.symbols, trues))
+        self.base_key = None
+        if p.random:
+            seed, offset = trues[len(p.symbols):len(p.symbols) + 2]
+            self.base_key = jax.random.fold_in(jax.random.key(seed), offset)
+        env = {}
+        for ph, spec in zip(p.placeholders, self.specs):
+            v = ph.meta.get("val")
+            if spec is None:
+                env[ph] = self.padded_int(expr_of(v)) if isinstance(v, torch.SymInt | int) else v
+            elif spec[0] == "graph":
+                env[ph], _ = inputs.read(spec[1], bufs, rt)
+            else:
+                env[ph] = padded[spec[1]]
+        found = []
+        with checks.collecting() if p.device_checks != "off" else checks.suspended() as sink:
+            for n, (node, kind, sig, rule) in enumerate(p.steps):
+                self.key = jax.random.fold_in(self.base_key, n) if self.base_key is not None else None
+                before = len(sink) if sink is not None else 0
+                try:
+                    env[node] = self.run(node, kind, sig, rule, env)
+                except (NodeFailure, NoRule):
+                    raise
+                except Exception as err:  # noqa: BLE001 - reported with the node that failed
+                    raise NodeFailure(node, err) from err
+                if sink is not None and len(sink) > before:
+                    found.extend((entry, sig.name) for entry in sink[before:])
+        self.checks = tuple((entry[-1], op) for entry, op in found)
+        results = []
+        ph_index = {ph: i for i, ph in enumerate(p.placeholders)}
+        ph_storage = {}
+        for i, ph in enumerate(p.placeholders):
+            v = ph.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                ph_storage.setdefault(StorageWeakRef(v.untyped_storage()), i)
+        for out in _flat(p.output_node.args[0]):
+            val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
+            src = ph_storage.get(StorageWeakRef(val.untyped_storage())) if isinstance(val, torch.Tensor) else None
+            if not isinstance(out, torch.fx.Node):
+                self.output_kinds.append(("const", out))
+            elif out in ph_index and isinstance(val, torch.Tensor):
+                self.output_kinds.append(("input", ph_index[out]))
+            elif src is not None and p.placeholders[src].meta["val"].dtype == val.dtype:
+                # A view of an input: a real alias of it, as GraphProgram returns it.
+                self.output_kinds.append(("view", (src, _shape_exprs(val), tuple(expr_of(x) for x in val.stride()),
+                                                   expr_of(val.storage_offset()))))
+            elif isinstance(out.meta.get("val"), torch.Tensor):
+                value = env[out]
+                want = jax_dtype(out.meta["val"].dtype)
+                results.append(value.astype(want) if value.dtype != want else value)
+                self.output_kinds.append(("array", (out, len(results) - 1)))
+            else:
+                v = out.meta.get("val")
+                self.output_kinds.append(("sym", expr_of(v)) if isinstance(v, torch.SymInt | int)
+                                         else ("const", v))
+        if found:
+            results.append(checks.pack([entry for entry, _ in found]))
+        return tuple(results)
+
+    # -- sizes -------------------------------------------------------------------------------------
+    def padded_int(self, expr) -> int:
+        return _padded(expr, self.buckets)
+
+    def lens(self, v, compact=False):
+        """Per dim of node ``v``'s value: None (not padded), its true size (traced; the exact region
+        is a prefix) or, for a dim merging dynamic dims, ``Factors`` (unless ``compact``: the
+        value was compacted to a prefix for a positional op)."""
+        val = meta_of(v)
+        out = []
+        for s in val.shape:
+            e = expr_of(s)
+            if _is_static(e):
+                out.append(None)
+            elif not compact and compound(e, self.p.order):
+                out.append(self.factor_lens(e))
+            else:
+                out.append(evaluate(e, self.values))
+        return tuple(out)
+
+    def factor_lens(self, e):
+        return dyn.Factors((None if _is_static(f) else evaluate(f, self.values), self.padded_int(f))
+                           for f in factors(e, self.p.order))
+
+    def split_shape(self, exprs):
+        """(true sizes, padded sizes) of a shape with every compound dim split into its factors."""
+        true, padded = [], []
+        for e in exprs:
+            fs = factors(e, self.p.order) if compound(e, self.p.order) else [e]
+            true.extend(evaluate(f, self.values) for f in fs)
+            padded.extend(self.padded_int(f) for f in fs)
+        return true, padded
+
+    def to_prefix(self, x, exprs):
+        """``x`` with its compound dims compacted (their exact region a prefix)."""
+        if not any(compound(e, self.p.order) for e in exprs):
+            return x
+        true_split, padded_split = self.split_shape(exprs)
+        return dyn.reshape(x.reshape(padded_split), true_split, [self.true(e) for e in exprs], x.shape)
+
+    def to_factored(self, x, exprs):
+        """The inverse of ``to_prefix``."""
+        if not any(compound(e, self.p.order) for e in exprs):
+            return x
+        true_split, padded_split = self.split_shape(exprs)
+        return dyn.reshape(x, [self.true(e) for e in exprs], true_split, padded_split).reshape(x.shape)
+
+    def true(self, expr):
+        return evaluate(expr, self.values)
+
+    def padded_meta(self, v):
+        """A meta tensor like node ``v``'s fake tensor with its shape at the buckets."""
+        if isinstance(v, torch.fx.Node):
+            v = v.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            sizes = [self.padded_int(expr_of(s)) for s in v.shape]
+            strides = [self.padded_int(expr_of(s)) for s in v.stride()]
+            return torch.empty_strided(sizes, strides, dtype=v.dtype, device="meta")
+        if isinstance(v, list | tuple):
+            return type(v)(self.padded_meta(x) for x in v)
+        if isinstance(v, torch.SymInt):
+            return self.padded_int(expr_of(v))
+        return v
+
+    # -- one node ----------------------------------------------------------------------------------
+    def run(self, node, kind, sig, rule, env):
+        if kind == "getitem":
+            src, idx = node.args
+            return env[src][idx]
+        if kind == "sym":
+            return self.padded_int(expr_of(node.meta["val"]))
+        if kind == "convert":
+            value = env[node.args[0]]
+            return cast(value, device_dtype(node.meta["val"].dtype, "convert_element_type"))
+        values = sig.bind(node.args, node.kwargs, missing=None)
+        positional = node in self.p.positional
+        call = _Call(self, node, sig, values, env, compact=positional)
+        if positional:
+            # An op that reads positions along a merged dim sees it compacted, and its results
+            # are laid out again as the graph's other values of that size are.
+            call.arrays = [self._compacted(v, a) for v, a in zip(values, call.arrays)]
+        result = rule(call) if rule is not None else call.apply()
+        if positional:
+            result = _map_tensors(result, node.meta.get("val"),
+                                  lambda r, m: self.to_factored(r, _shape_exprs(m)))
+        _check_shapes(node, result, self)
+        return result
+
+    def _compacted(self, v, a):
+        if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor) and hasattr(a, "shape"):
+            return self.to_prefix(a, _shape_exprs(v.meta["val"]))
+        if isinstance(v, list | tuple) and isinstance(a, list | tuple):
+            return [self._compacted(x, y) for x, y in zip(v, a)]
+        return a
+
+
+class _Call:
+    """One op node being evaluated: its bound arguments (``values``: nodes and constants),
+    ``arrays`` (the padded values the lowering receives) and helpers for the rules."""
+
+    def __init__(self, trace, node, sig, values, env, compact=False):
+        self.t, self.node, self.sig, self.values = trace, node, sig, values
+        self.compact = compact
+        self.arrays = [_lookup(v, env) for v in values]
+        self.metas = [trace.padded_meta(v) for v in values]
+        self.env = env
+        # A size used as a number (x * x.shape[1]) is its true value; as a size, its bucket's.
+        for i in sig.dynamic:
+            v = values[i]
+            if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.SymInt):
+                self.arrays[i] = jnp.asarray(trace.true(expr_of(v.meta["val"])))
+
+    def arg(self, name):
+        return self.sig.index_of[name]
+
+    def lens(self, name_or_index):
+        i = self.arg(name_or_index) if isinstance(name_or_index, str) else name_or_index
+        return self.t.lens(self.values[i], self.compact)
+
+    def exprs(self, name):
+        return _shape_exprs(meta_of(self.values[self.arg(name)]))
+
+    def mask(self, name, fill, dims=None):
+        i = self.arg(name)
+        if self.arrays[i] is None:
+            return
+        self.arrays[i] = dyn.masked(self.arrays[i], self.lens(i), fill, dims)
+
+    def apply(self):
+        result, _ = _apply(self.sig, self.values, self.arrays, self.metas, self.t.padded_meta(self.node),
+                           self.t.key if self.sig.lowering.random else None)
+        return result
+
+
+# -- the rules -------------------------------------------------------------------------------------
+RULES: dict = {}
+
+
+def rule(*names):
+    def register(fn):
+        for n in names:
+            RULES[n] = fn
+        return fn
+    return register
+
+
+def _rule_for(name, target, node):
+    """The rule of one node, or raises NoRule; None runs the lowering as it is."""
+    if not _has_symbolic(node):
+        return None
+    fn = RULES.get(name)
+    if fn is not None:
+        plan = getattr(fn, "plan", None)
+        if plan is not None:
+            plan(node)
+        return fn
+    if name in _PASS or torch.Tag.pointwise in target.tags:
+        return None
+    raise NoRule(name, "no masking rule for an op on dynamic dims yet")
+
+
+def planned(check):
+    """Attach a plan-time check (raises NoRule) to a rule."""
+    def attach(fn):
+        fn.plan = check
+        return fn
+    return attach
+
+
+def _dims_arg(call, name, ndim):
+    i = call.arg(name)
+    dims = call.values[i]
+    if dims is None or dims == []:
+        return tuple(range(ndim))
+    if isinstance(dims, int):
+        dims = [dims]
+    return tuple(d % max(ndim, 1) for d in dims)
+
+
+def _reduction(kind):
+    def run(call):
+        x = call.arrays[0]
+        lens = call.lens(0)
+        dims = _dims_arg(call, "dim", x.ndim) if "dim" in call.sig.index_of else tuple(range(x.ndim))
+        call.arrays[0] = dyn.masked(x, lens, dyn.identity(kind, x.dtype), dims)
+        out = call.apply()
+        if kind == "mean":
+            out = dyn.rescale_mean(out, x.shape, lens, dims)
+        return out
+    return run
+
+
+for _kind, _names in {
+    "sum": ("sum.dim_IntList", "sum.default", "nansum.default"),
+    "mean": ("mean.dim", "mean.default"),
+    "max": ("amax.default", "max.default"),
+    "min": ("amin.default", "min.default"),
+    "prod": ("prod.dim_int", "prod.default"),
+    "any": ("any.dim", "any.dims", "any.default"),
+    "all": ("all.dim", "all.dims", "all.default"),
+    "logsumexp": ("logsumexp.default",),
+}.items():
+    rule(*_names)(_reduction(_kind))
+
+
+def _argplan(node):
+    if len(node.args) < 2 or node.args[1] is None:
+        if any(not _is_static(e) for e in _shape_exprs(node.args[0].meta["val"])[1:]):
+            raise NoRule(registry_name(node.target), "a flat argmax/argmin over padded inner dims")
+
+
+@rule("argmax.default", "argmin.default")
+@planned(_argplan)
+def _arg_reduction(call):
+    kind = "argmax" if call.sig.short_name.startswith("argmax") else "argmin"
+    x = call.arrays[0]
+    dim = call.values[1]
+    dims = tuple(range(x.ndim)) if dim is None else (dim % x.ndim,)
+    call.arrays[0] = dyn.masked(x, call.lens(0), dyn.identity(kind, x.dtype), dims)
+    return call.apply()
+
+
+def _sort_pad(dtype, descending):
+    """A value the lowering's stable sort puts after every true element (ties keep the true ones
+    first): NaN ascending (PyTorch sorts NaN last), the lowest value descending."""
+    if descending:
+        return dyn.identity("max", dtype)
+    return jnp.nan if jnp.issubdtype(dtype, jnp.floating) else dyn.identity("min", dtype)
+
+
+@rule("sort.default", "sort.stable", "topk.default")
+def _sort(call):
+    x = call.arrays[0]
+    dim = call.values[call.arg("dim")]
+    dim = (-1 if dim is None else dim) % x.ndim
+    lens = call.lens(0)
+    if lens[dim] is None:
+        return call.apply()
+    if "largest" in call.sig.index_of:
+        descending = call.values[call.arg("largest")] in (None, True)
+    else:
+        descending = bool(call.values[call.arg("descending")])
+    call.arrays[0] = dyn.masked(x, lens, _sort_pad(x.dtype, descending), (dim,))
+    return call.apply()
+
+
+@rule("var.correction", "var_mean.correction", "std.correction")
+def _var(call):
+    x = call.arrays[0]
+    dims = _dims_arg(call, "dim", x.ndim)
+    correction = call.values[call.arg("correction")]
+    correction = 1 if correction is None else correction
+    keepdim = bool(call.values[call.arg("keepdim")])
+    v = dyn.var(x.astype(jnp.float32) if not jnp.issubdtype(x.dtype, jnp.floating) else x,
+                call.lens(0), dims, correction, keepdim)
+    name = call.sig.short_name
+    if name.startswith("std"):
+        return jnp.sqrt(v)
+    if name.startswith("var_mean"):
+        mean = dyn.rescale_mean(jnp.mean(dyn.masked(x, call.lens(0), 0, dims), axis=dims, keepdims=keepdim),
+                                x.shape, call.lens(0), dims)
+        return v, mean
+    return v
+
+
+def _contraction(a_name, a_dim, b_name, b_dim):
+    def run(call):
+        a, b = call.arg(a_name), call.arg(b_name)
+        la, lb = call.lens(a), call.lens(b)
+        da, db = a_dim % call.arrays[a].ndim, b_dim % call.arrays[b].ndim
+        if la[da] is not None or lb[db] is not None:
+            call.arrays[a] = dyn.masked(call.arrays[a], la, 0, (da,))
+            call.arrays[b] = dyn.masked(call.arrays[b], lb, 0, (db,))
+        return call.apply()
+    return run
+
+
+rule("mm.default")(_contraction("self", 1, "mat2", 0))
+rule("bmm.default")(_contraction("self", 2, "mat2", 1))
+rule("addmm.default")(_contraction("mat1", 1, "mat2", 0))
+rule("baddbmm.default")(_contraction("batch1", 2, "batch2", 1))
+rule("dot.default")(_contraction("self", 0, "tensor", 0))
+rule("mv.default")(_contraction("self", 1, "vec", 0))
+
+
+@rule("_softmax.default", "_log_softmax.default")
+def _softmax(call):
+    x = call.arrays[0]
+    dim = call.values[1] % x.ndim
+    lens = call.lens(0)
+    if lens[dim] is None:
+        return call.apply()
+    call.arrays[0] = dyn.masked(x, lens, -jnp.inf, (dim,))
+    return call.apply()
+
+
+@rule("_softmax_backward_data.default", "_log_softmax_backward_data.default")
+def _softmax_backward(call):
+    dim = call.values[2] % call.arrays[0].ndim
+    if call.lens(0)[dim] is None:
+        return call.apply()
+    call.mask("grad_output", 0, (dim,))
+    call.mask("output", 0, (dim,))
+    return call.apply()
+
+
+def _normalized_static(node):
+    x = node.args[0 if node.target is torch.ops.aten.native_layer_norm.default else 1]
+    ns = node.args[1 if node.target is torch.ops.aten.native_layer_norm.default else 2]
+    exprs = _shape_exprs(x.meta["val"])
+    if any(not _is_static(e) for e in exprs[len(exprs) - len(ns):]):
+        raise NoRule(registry_name(node.target), "normalising over a dynamic dim")
+
+
+rule("native_layer_norm.default")(planned(_normalized_static)(lambda call: call.apply()))
+
+
+@rule("native_layer_norm_backward.default")
+@planned(_normalized_static)
+def _layer_norm_backward(call):
+    # grad_weight/grad_bias sum over the (padded) leading dims: zero every input's pad.
+    for name in ("grad_out", "input", "mean", "rstd"):
+        call.mask(name, 0)
+    return call.apply()
+
+
+@rule("embedding.default")
+def _embedding(call):
+    call.mask("indices", 0)
+    return call.apply()
+
+
+def _no_freq(node):
+    if len(node.args) > 4 and node.args[4]:
+        raise NoRule("embedding_dense_backward.default", "scale_grad_by_freq")
+
+
+@rule("embedding_dense_backward.default")
+@planned(_no_freq)
+def _embedding_backward(call):
+    idx_lens = call.lens("indices")
+    call.arrays[call.arg("indices")] = dyn.masked(call.arrays[call.arg("indices")], idx_lens, 0)
+    g = call.arg("grad_output")
+    glens = call.lens(g)
+    call.arrays[g] = dyn.masked(call.arrays[g], glens, 0, tuple(d for d in range(len(idx_lens)) if idx_lens[d] is not None))
+    return call.apply()
+
+
+def _classes_static(node):
+    exprs = _shape_exprs(node.args[1 if "backward" in str(node.target) else 0].meta["val"])
+    if len(exprs) > 1 and not _is_static(exprs[1]):
+        raise NoRule(registry_name(node.target), "a dynamic class dim")
+
+
+@rule("nll_loss_forward.default", "nll_loss_backward.default")
+@planned(_classes_static)
+def _nll_loss(call):
+    ignore = call.values[call.arg("ignore_index")]
+    call.mask("target", ignore)
+    call.mask("self", 0)
+    if "grad_output" in call.sig.index_of and call.arrays[call.arg("grad_output")].ndim:
+        call.mask("grad_output", 0)
+    return call.apply()
+
+
+@rule("gather.default", "index_select.default")
+def _gather(call):
+    call.mask("index", 0)
+    return call.apply()
+
+
+@rule("index.Tensor")
+def _index(call):
+    i = call.arg("indices")
+    xlens = call.lens("self")
+    out = []
+    for d, (idx, v) in enumerate(zip(call.arrays[i], call.values[i])):
+        if idx is None:
+            out.append(None)
+            continue
+        if idx.dtype == jnp.bool_:
+            raise NoRule("index.Tensor", "boolean-mask indexing")
+        idx = dyn.masked(idx, call.t.lens(v, call.compact), 0)
+        if xlens[d] is not None:
+            idx = dyn.wrap_negative(idx, xlens[d])
+        out.append(idx)
+    call.arrays[i] = out
+    return call.apply()
+
+
+def _arange_plan(node):
+    name = registry_name(node.target)
+    if name != "arange.default":
+        args = list(node.args) + [node.kwargs.get("step", 1)]
+        start, step = args[0], args[2] if len(args) > 2 else 1
+        if isinstance(start, torch.fx.Node) or isinstance(step, torch.fx.Node):
+            raise NoRule(name, "a dynamic start or step")
+
+
+rule("arange.default", "arange.start", "arange.start_step")(planned(_arange_plan)(lambda call: call.apply()))
+
+
+@rule("cat.default")
+def _cat(call):
+    tensors = [t for t in call.values[0]]
+    dim = call.values[1] % call.arrays[0][0].ndim if call.values[1] is not None else 0
+    out_expr = _shape_exprs(call.node.meta["val"])[dim]
+    if _is_static(out_expr):
+        return call.apply()
+    arrays = [a for a in call.arrays[0]]
+    keep = [k for k, a in enumerate(arrays) if a.ndim > 0 and not (a.ndim == 1 and a.shape[0] == 0)]
+    dtype = jax_dtype(call.node.meta["val"].dtype)
+    return dyn.cat([arrays[k].astype(dtype) for k in keep], [call.t.lens(tensors[k], call.compact) for k in keep], dim,
+                   call.t.padded_int(out_expr))
+
+
+def _split_plan(node):
+    exprs = _shape_exprs(node.args[0].meta["val"])
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    if not _is_static(exprs[dim % len(exprs)]):
+        raise NoRule(registry_name(node.target), "splitting a dynamic dim")
+
+
+rule("split.Tensor", "split_with_sizes.default")(planned(_split_plan)(lambda call: call.apply()))
+
+
+def _along(call):
+    """(self, the op's dim, self's true sizes) of an op along one dim (slice, select)."""
+    x = call.arrays[0]
+    return x, call.values[1] % x.ndim, call.lens(0)
+
+
+@rule("slice.Tensor")
+def _slice(call):
+    x, dim, lens = _along(call)
+    if lens[dim] is None:
+        return call.apply()
+    step = call.values[4] if len(call.values) > 4 and call.values[4] is not None else 1
+    if step != 1:
+        raise NoRule("slice.Tensor", "a step other than 1 along a dynamic dim")
+    start = call.values[2]
+    start = 0 if start is None else start
+    if isinstance(start, torch.fx.Node):
+        start = call.t.true(expr_of(start.meta["val"]))
+    if isinstance(start, int) and start < 0:
+        start = jnp.maximum(start + lens[dim], 0)
+    out_len = call.t.padded_int(_shape_exprs(call.node.meta["val"])[dim])
+    if isinstance(start, int) and start == 0:
+        return jax.lax.slice_in_dim(x, 0, out_len, axis=dim)
+    return dyn.slice_from(x, dim, start, out_len)
+
+
+@rule("select.int")
+def _select(call):
+    x, dim, lens = _along(call)
+    if lens[dim] is None:
+        return call.apply()
+    index = call.values[2]
+    if isinstance(index, torch.fx.Node):
+        index = call.t.true(expr_of(index.meta["val"]))
+    return dyn.select(x, dim, index, lens[dim])
+
+
+@rule("view.default", "_unsafe_view.default", "reshape.default")
+def _view(call):
+    t = call.t
+    x = call.arrays[0]
+    in_exprs = _shape_exprs(meta_of(call.values[0]))
+    out_exprs = _shape_exprs(call.node.meta["val"])
+    padded_out = tuple(t.padded_int(e) for e in out_exprs)
+    if _same_factors(in_exprs, out_exprs, t.p.order):
+        # The padded box is laid out the same way on both sides: a plain reshape.
+        return x.reshape(padded_out)
+    x = t.to_prefix(x, in_exprs)
+    y = dyn.reshape(x, [t.true(e) for e in in_exprs], [t.true(e) for e in out_exprs], padded_out)
+    return t.to_factored(y, out_exprs)
+
+
+def _same_factors(in_exprs, out_exprs, order) -> bool:
+    """Both shapes split into the same row-major factors (adjacent static factors merged)."""
+    def flat(exprs):
+        out = []
+        for e in exprs:
+            for f in factors(e, order):
+                if _is_static(f):
+                    if int(f) == 1:
+                        continue
+                    if out and _is_static(out[-1]):
+                        out[-1] = sympy.Integer(int(out[-1]) * int(f))
+                        continue
+                out.append(f)
+        return out
+    a, b = flat(in_exprs), flat(out_exprs)
+    return len(a) == len(b) and all(sympy.simplify(x - y) == 0 for x, y in zip(a, b))
+
+
+def _sdpa_plan(node):
+    q, k = node.args[1 if "backward" in str(node.target) else 0], node.args[2 if "backward" in str(node.target) else 1]
+    qe, ke = _shape_exprs(q.meta["val"]), _shape_exprs(k.meta["val"])
+    causal = node.args[7 if "backward" in str(node.target) else 4] if len(node.args) > (7 if "backward" in str(node.target) else 4) else False
+    if node.kwargs.get("attn_mask") is not None:
+        raise NoRule(registry_name(node.target), "an attention mask with dynamic dims")
+    if not _is_static(ke[-2]) and not (causal and qe[-2] == ke[-2]):
+        raise NoRule(registry_name(node.target), "attention over dynamic keys without is_causal")
+
+
+@rule("_scaled_dot_product_flash_attention_for_cpu.default",
+      "_scaled_dot_product_flash_attention_for_cpu_backward.default")
+@planned(_sdpa_plan)
+def _sdpa(call):
+    # Causal attention with queries and keys of one dynamic length: a true query never sees a
+    # pad key; zeroing every input's pad keeps the pad rows finite (their gradients are zero).
+    for name in ("grad_out", "query", "key", "value", "out", "logsumexp"):
+        if name in call.sig.index_of:
+            call.mask(name, 0)
+    return call.apply()
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _padded(expr, buckets) -> int:
+    if _is_static(expr):
+        return int(expr)
+    return int(evaluate(expr, buckets))
+
+
+def _free_symbols(val):
+    out = set()
+    if isinstance(val, torch.Tensor):
+        for s in (*val.shape, *val.stride()):
+            if isinstance(s, torch.SymInt):
+                out |= expr_of(s).free_symbols
+    elif isinstance(val, torch.SymInt):
+        out |= expr_of(val).free_symbols
+    elif isinstance(val, list | tuple):
+        for v in val:
+            out |= _free_symbols(v)
+    return out
+
+
+def _touches_compound(node, order) -> bool:
+    for v in (node.meta.get("val"), *(a.meta.get("val") for a in node.all_input_nodes)):
+        if any(compound(e, order) for e in _size_exprs(v)):
+            return True
+    return False
+
+
+def _map_tensors(result, meta, fn):
+    if isinstance(meta, torch.Tensor) and hasattr(result, "shape"):
+        return fn(result, meta)
+    if isinstance(meta, list | tuple) and isinstance(result, list | tuple):
+        return type(result)(_map_tensors(r, m, fn) for r, m in zip(result, meta))
+    return result
+
+
+def _size_exprs(val):
+    if isinstance(val, torch.Tensor):
+        return [expr_of(x) for x in val.shape if isinstance(x, torch.SymInt)]
+    if isinstance(val, list | tuple):
+        return [e for v in val for e in _size_exprs(v)]
+    return []
+
+
+def _grows(expr) -> bool:
+    """Whether ``expr`` never decreases when a symbol grows (then its value at the buckets bounds
+    its true value): sums and products of symbols with positive coefficients, floor divisions and
+    maxima/minima of such."""
+    if _is_static(expr) or isinstance(expr, sympy.Symbol):
+        return True
+    if isinstance(expr, FloorDiv):
+        return _grows(expr.args[0]) and _is_static(expr.args[1]) and int(expr.args[1]) > 0
+    if type(expr).__name__ in ("Max", "Min"):
+        return all(_grows(a) for a in expr.args)
+    for term in sympy.Add.make_args(sympy.expand(expr)):
+        if not term.free_symbols:
+            continue
+        coeff, rest = term.as_coeff_Mul()
+        if coeff <= 0 or any(not (isinstance(f, sympy.Symbol) or (isinstance(f, sympy.Pow) and f.args[1] > 0))
+                             for f in sympy.Mul.make_args(rest)):
+            return False
+    return True
+
+
+def _has_symbolic(node) -> bool:
+    if _free_symbols(node.meta.get("val")):
+        return True
+    for a in node.all_input_nodes:
+        if _free_symbols(a.meta.get("val")):
+            return True
+    return False
+
+
+def _flat(out):
+    return list(out) if isinstance(out, list | tuple) else [out]
+
+
+def _op_name(node) -> str:
+    t = node.target
+    return registry_name(t) if isinstance(t, torch._ops.OpOverload) else str(getattr(t, "__name__", t))
+
+
+def _check_shapes(node, result, trace):
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and hasattr(result, "shape"):
+        want = tuple(trace.padded_int(expr_of(s)) for s in val.shape)
+        if tuple(result.shape) != want:
+            raise NoRule(_op_name(node), f"produced shape {tuple(result.shape)} on padded inputs, "
+                                         f"expected {want}")
+
+
+# Pad and cut executables: one per distinct set of input (output) shapes.
+_pads: dict = {}
+_cuts: dict = {}
+
+
+def _pad(specs, bufs):
+    fn = _pads.get(specs)
+    if fn is None:
+        def pad(*bufs):
+            out = []
+            for ((dtype, sizes, strides, offset, _), split_true, split_padded, padded), buf in zip(specs, bufs):
+                x = layout.read(buf, jax_dtype(dtype), sizes, strides, offset).reshape(split_true)
+                x = jnp.pad(x, [(0, p - s) for s, p in zip(split_true, split_padded)])
+                out.append(x.reshape(padded))
+            return tuple(out)
+        fn = _pads[specs] = jax.jit(pad)
+        metrics.extra["bucketed_pad_compiles"] += 1
+    return fn(*bufs)
+
+
+def _cut(specs, arrays):
+    fn = _cuts.get(specs)
+    if fn is None:
+        def cut(*arrays):
+            out = []
+            for (sizes, strides, split_true, split_padded), a in zip(specs, arrays):
+                x = a.reshape(split_padded)[tuple(slice(0, s) for s in split_true)].reshape(sizes)
+                out.append(layout.to_layout(x, sizes, strides))
+            return tuple(out)
+        fn = _cuts[specs] = jax.jit(cut)
+        metrics.extra["bucketed_cut_compiles"] += 1
+    return fn(*arrays)
+
+
+__all__ = ["BucketedProgram", "NoRule", "RULES", "bucket_for", "parse_buckets"]

@@ -1,0 +1,231 @@
+"""Masking rules for bucketed dynamic dimensions: pure JAX functions on padded arrays.
+
+A bucketed graph (``compile/dynamic.py``) evaluates every node on arrays padded along their
+symbolic dims, with the invariant: along each such dim the first ``true`` elements are exact, the
+rest is don't-care (it may hold anything, NaN and Inf included). ``lens`` below is one entry per
+dim of an array: ``None`` for a dim that is not padded, else the dim's true size (a traced integer
+scalar). The functions here make exact what would otherwise read the pad: they mask it with the
+operation's identity (``jnp.where``, so NaN in the pad never propagates), count only the true
+elements, and place or pick elements at true offsets.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .numerics import highest, lowest
+
+
+class Factors(tuple):
+    """A dim that merges several padded dims (``[b, t, c] -> [b*t, c]``) laid out as their padded
+    box, row-major: ((true size or None, padded size), ...) outer to inner. Its exact elements are
+    those whose every digit is below its factor's true size (not a prefix)."""
+
+    @property
+    def true(self):
+        out = 1
+        for t, p in self:
+            out = out * (p if t is None else t)
+        return out
+
+
+def _dim_mask(n, true, shp, d):
+    idx = lax.broadcasted_iota(jnp.int32, tuple(shp), d)
+    if not isinstance(true, Factors):
+        return idx < true
+    mask = None
+    inner = 1
+    for t, p in reversed(true):
+        if t is not None:
+            m = (idx // inner) % p < t
+            mask = m if mask is None else mask & m
+        inner *= p
+    return mask
+
+
+def valid_mask(shape, lens, dims=None):
+    """The boolean mask of the exact region of an array of ``shape`` (broadcastable to it), over
+    ``dims`` (default: every padded dim); None when nothing there is padded. A dim's entry in
+    ``lens`` is None, its true size (the exact region is a prefix) or ``Factors``."""
+    mask = None
+    for d, n in enumerate(shape):
+        true = lens[d]
+        if true is None or (dims is not None and d not in dims):
+            continue
+        shp = [1] * len(shape)
+        shp[d] = n
+        m = _dim_mask(n, true, shp, d)
+        if m is None:
+            continue
+        mask = m if mask is None else mask & m
+    return mask
+
+
+def masked(x, lens, fill, dims=None):
+    """``x`` with its pad (along ``dims``, default all padded dims) replaced by ``fill``."""
+    m = valid_mask(x.shape, lens, dims)
+    if m is None:
+        return x
+    return jnp.where(m, x, jnp.asarray(fill, dtype=x.dtype))
+
+
+# The value a reduction ignores, per reduction kind.
+def identity(kind: str, dtype):
+    if kind in ("sum", "mean", "any"):
+        return False if jnp.dtype(dtype) == jnp.bool_ else 0
+    if kind == "prod" or kind == "all":
+        return True if jnp.dtype(dtype) == jnp.bool_ else 1
+    if kind in ("max", "argmax", "logsumexp"):
+        return lowest(jnp.dtype(dtype))
+    if kind in ("min", "argmin"):
+        return highest(jnp.dtype(dtype))
+    raise ValueError(kind)
+
+
+def true_count(shape, lens, dims):
+    """How many exact elements a reduction over ``dims`` sees (a traced value when padded)."""
+    count = 1
+    for d in dims:
+        true = lens[d]
+        count = count * (shape[d] if true is None else true.true if isinstance(true, Factors) else true)
+    return count
+
+
+def padded_count(shape, dims) -> int:
+    return int(np.prod([shape[d] for d in dims], dtype=np.int64))
+
+
+def rescale_mean(mean_of_padded, shape, lens, dims):
+    """A mean the lowering took over the padded extent (pad masked to 0), as the true mean."""
+    true = true_count(shape, lens, dims)
+    return (mean_of_padded * padded_count(shape, dims) / true).astype(mean_of_padded.dtype)
+
+
+def var(x, lens, dims, correction, keepdim):
+    """Variance over ``dims`` counting only the exact elements."""
+    n = true_count(x.shape, lens, dims)
+    m = valid_mask(x.shape, lens, dims)
+    xz = x if m is None else jnp.where(m, x, 0)
+    mean = jnp.sum(xz, axis=tuple(dims), keepdims=True) / n
+    dev = jnp.square(x - mean)
+    if m is not None:
+        dev = jnp.where(m, dev, 0)
+    out = jnp.sum(dev, axis=tuple(dims), keepdims=keepdim) / jnp.maximum(n - correction, 0)
+    return out.astype(x.dtype)
+
+
+def softmax(x, lens, dim, log: bool):
+    """(log_)softmax along ``dim``: pad entries take no share; the pad of the result is 0."""
+    xm = masked(x, lens, -jnp.inf, dims=(dim,))
+    fn = jax_log_softmax if log else jax_softmax
+    return fn(xm, dim)
+
+
+def jax_softmax(x, dim):
+    mx = lax.stop_gradient(jnp.max(x, axis=dim, keepdims=True))
+    e = jnp.exp(x - mx)
+    return e / jnp.sum(e, axis=dim, keepdims=True)
+
+
+def jax_log_softmax(x, dim):
+    mx = lax.stop_gradient(jnp.max(x, axis=dim, keepdims=True))
+    s = x - mx
+    return s - jnp.log(jnp.sum(jnp.exp(s), axis=dim, keepdims=True))
+
+
+def matmul_operands(a, a_lens, a_dim, b, b_lens, b_dim):
+    """Both operands of a contraction over a padded dim with their pad zeroed (masking only one
+    would give 0 * inf = NaN)."""
+    return masked(a, a_lens, 0, dims=(a_dim,)), masked(b, b_lens, 0, dims=(b_dim,))
+
+
+def cat(arrays, lens_list, dim, out_size):
+    """Concatenation along a padded dim: each piece goes at the sum of the true sizes before it."""
+    first = arrays[0]
+    shape = list(first.shape)
+    shape[dim] = out_size
+    out = jnp.zeros(shape, first.dtype)
+    offset = 0
+    for x, lens in zip(arrays, lens_list):
+        x = x.astype(first.dtype)
+        true = x.shape[dim] if lens[dim] is None else lens[dim]
+        # The pad of a piece is written too and overwritten by the next piece; only what falls
+        # beyond the output's extent is cut (dynamic_update_slice would move the start instead).
+        room = out_size - x.shape[dim]
+        start = [0] * len(shape)
+        if room >= 0:
+            start[dim] = jnp.minimum(offset, room)
+            # Where the clamp would move the piece, shift it so its exact part lands at `offset`.
+            piece = _shift(x, dim, offset - start[dim])
+            out = lax.dynamic_update_slice(out, piece, tuple(start))
+        else:
+            piece = lax.slice_in_dim(x, 0, out_size, axis=dim)
+            out = _place(out, piece, dim, offset)
+        offset = offset + true
+    return out
+
+
+def _shift(x, dim, by):
+    """``x`` rolled forward by ``by`` along ``dim`` (what lands in front is don't-care)."""
+    return jnp.roll(x, by, axis=dim)
+
+
+def _place(out, piece, dim, offset):
+    n = out.shape[dim]
+    idx = jnp.arange(n) - offset
+    shp = [1] * out.ndim
+    shp[dim] = n
+    take = jnp.clip(idx, 0, piece.shape[dim] - 1)
+    moved = jnp.take(piece, take, axis=dim)
+    keep = ((idx >= 0) & (idx < piece.shape[dim])).reshape(shp)
+    return jnp.where(keep, moved, out)
+
+
+def reshape(x, true_in, true_out, padded_out):
+    """A reshape of a padded array whose exact region is not a prefix of the padded one in memory:
+    each output position takes the element at the same row-major position of the true shapes."""
+    total = None
+    for d, n in enumerate(padded_out):
+        shp = [1] * len(padded_out)
+        shp[d] = n
+        idx = lax.broadcasted_iota(jnp.int32, tuple(shp), d)
+        stride = 1
+        for t in true_out[d + 1:]:
+            stride = stride * t
+        term = idx * stride
+        total = term if total is None else total + term
+    if total is None:
+        return x.reshape(padded_out)
+    total = jnp.broadcast_to(total, tuple(padded_out))
+    coords = []
+    rest = total
+    for d in reversed(range(len(true_in))):
+        t = true_in[d]
+        coords.append(jnp.clip(rest % t, 0, x.shape[d] - 1))
+        rest = rest // t
+    coords.reverse()
+    return x[tuple(coords)]
+
+
+def select(x, dim, index, true_len):
+    """``x.select(dim, index)`` along a padded dim: a negative index counts from the true end."""
+    if isinstance(index, int) and index >= 0:
+        return lax.index_in_dim(x, index, axis=dim, keepdims=False)
+    index = jnp.where(index < 0, index + true_len, index) if not isinstance(index, int) else index + true_len
+    return lax.dynamic_index_in_dim(x, index, axis=dim, keepdims=False)
+
+
+def slice_from(x, dim, start, length):
+    """``length`` elements of ``x`` along ``dim`` from ``start`` (a traced true offset), never
+    clamped: the array is first extended by ``length`` along ``dim``."""
+    pad = [(0, 0)] * x.ndim
+    pad[dim] = (0, length)
+    xp = jnp.pad(x, pad)
+    return lax.dynamic_slice_in_dim(xp, start, length, axis=dim)
+
+
+def wrap_negative(index, true_len):
+    """Negative indices into a padded dim, counted from its true end."""
+    return jnp.where(index < 0, index + true_len, index)
