@@ -6,6 +6,7 @@ full-size GPT.
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import json
 import os
@@ -379,6 +380,30 @@ def test_dynamic_true_warns_and_compiles_each_shape_statically():
     for rows in (4, 6, 5):
         x = torch.randn(rows, 8)
         close(g(x.to("neuron")), f(x))
+    assert torchneuron.metrics()["recompiles"]["new input shapes (the neuron backend compiles static shapes)"] == 2
+
+
+def test_dynamic_true_with_unspecialized_floats_compiles_each_shape_statically():
+    """Dynamo passes Python floats (nn.Embedding's norm_type, a scale) as 0-dim CPU tensors read with
+    .item() under dynamic=True; the static retrace failed with DataDependentOutputException."""
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(50, 8), torch.nn.Linear(8, 3)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head, self.scale = emb, head, 0.5
+
+        def forward(self, ids):
+            return self.head(self.emb(ids)) * self.scale
+
+    cpu = M()
+    g = torch.compile(copy.deepcopy(cpu).to("neuron"), backend="neuron", dynamic=True)
+    for n in (5, 9, 12):
+        ids = torch.randint(0, 50, (2, n))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            close(g(ids.to("neuron")), cpu(ids))
     assert torchneuron.metrics()["recompiles"]["new input shapes (the neuron backend compiles static shapes)"] == 2
 
 

@@ -10,6 +10,7 @@ their reason.
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import warnings
@@ -170,15 +171,40 @@ class StaticShapes:
         self.gm = gm
         self.opts = opts
         self.compiled: dict = {}
+        # Python floats Dynamo left unspecialized (dynamic=True): 0-dim CPU tensor inputs the graph
+        # reads only with .item() (nn.Embedding's norm_type, a scale). A static retrace cannot read
+        # a fake tensor's value, so their values are compiled in, and are part of the key.
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.items = [i for i, ph in enumerate(placeholders)
+                      if ph.users and all(u.op == "call_method" and u.target == "item" for u in ph.users)]
 
     def __call__(self, *args):
-        key = tuple(_concrete_key(a) for a in args)
+        items = tuple((i, args[i].item()) for i in self.items
+                      if isinstance(args[i], torch.Tensor) and args[i].device.type == "cpu" and args[i].dim() == 0)
+        key = (tuple(_concrete_key(a) for a in args), items)
         fn = self.compiled.get(key)
         if fn is None:
             if self.compiled:
                 metrics.recompiles["new input shapes (the neuron backend compiles static shapes)"] += 1
-            fn = self.compiled[key] = _compile_aot(self.gm, list(args), self.opts)
+            fn = self.compiled[key] = _compile_aot(_with_values(self.gm, dict(items)), list(args), self.opts)
         return fn(*args)
+
+
+def _with_values(gm, values: dict):
+    """``gm`` with each ``.item()`` of the placeholders at these positions replaced by its value."""
+    if not values:
+        return gm
+    graph = copy.deepcopy(gm.graph)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for i, value in values.items():
+        for item in list(placeholders[i].users):
+            def swap(n, item=item, value=value):
+                return value if n is item else n
+            for user in list(item.users):
+                user.args = torch.fx.node.map_arg(user.args, swap)
+                user.kwargs = torch.fx.node.map_arg(user.kwargs, swap)
+            graph.erase_node(item)
+    return torch.fx.GraphModule(gm, graph)
 
 
 # What symbolic decompositions leave in graphs that GraphProgram has no lowering for.
