@@ -50,6 +50,9 @@ def register() -> None:
         _setup_privateuseone_for_python_backend(
             "neuron", backend_module=device_module, hook=_Hooks(), device_guard=_Guard())
     registration.register_all()
+    # `import torch.neuron.memory` / `from torch.neuron.memory import ...`, as with torch.cuda.memory.
+    import sys
+    sys.modules.setdefault("torch.neuron.memory", device_module.memory)
     observe("eager_mode", adaptive.apply_mode)
     observe("device_checks", adaptive.device_checks_changed)
     printing.install()
