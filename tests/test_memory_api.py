@@ -1,5 +1,6 @@
 """torch.neuron.memory: torch.cuda.memory's functions, statistics and snapshots PyTorch's visualizer reads."""
 
+import os
 import pickle
 import subprocess
 import sys
@@ -149,7 +150,9 @@ print("ok")
 
 def test_oom_writes_snapshot_when_configured(tmp_path):
     path = tmp_path / "oom.pickle"
-    env = dict(__import__("os").environ, TORCHNEURON_OOM_SNAPSHOT=str(path))
+    src = os.path.dirname(os.path.dirname(os.path.abspath(torchneuron.__file__)))
+    env = dict(os.environ, TORCHNEURON_OOM_SNAPSHOT=str(path),
+               PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", OOM_SCRIPT, str(path)], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -68,6 +68,8 @@ def register() -> None:
     profiler.install_hooks()   # neuron ranges in torch.profiler traces
     integrations.install()     # transformers/accelerate device probes, DataLoader pinning
     _registered = True
+    if config.cuda:            # TORCHNEURON_CUDA=neuron: CUDA scripts run unchanged on neuron
+        transfer_cuda(config.cuda)
 
 
 def _autoload() -> None:
@@ -85,6 +87,15 @@ def eager_mode(mode: str):
     """Context manager: run a block in the given eager mode."""
     from .eager import adaptive  # not at the top: see there
     return adaptive.eager_mode(mode)
+
+
+def transfer_cuda(target: str = "neuron", *, warn: bool = True):
+    """Run code written for CUDA on neuron unchanged: ``"cuda"``/``"cuda:N"`` devices, ``.cuda()``,
+    ``torch.cuda.*`` (devices, synchronize, streams and events, memory statistics, RNG),
+    ``torch.autocast("cuda")``, ``GradScaler("cuda")`` and ``pin_memory`` map onto neuron, with one
+    warning naming what was mapped. Returns the mapping (``.uninstall()`` undoes it)."""
+    from .integrations import cuda  # not at the top: see there
+    return cuda.transfer_cuda(target, warn=warn)
 
 
 def kernel(name: str, fn=None, /, *, mutates_args=(), backward=None, tags=()):
@@ -109,4 +120,4 @@ def __getattr__(name):
 
 register()
 
-__all__ = ["config", "metrics", "register", "kernel", "step", "track", "check", "__version__"]
+__all__ = ["config", "metrics", "register", "kernel", "transfer_cuda", "step", "track", "check", "__version__"]
