@@ -152,28 +152,25 @@ def memory_stats(device=None) -> dict:
     return dict(sorted(out.items()))
 
 
-def _format_size(sz: int, pref_sz: int) -> str:
-    prefixes = ["B  ", "KiB", "MiB", "GiB", "TiB", "PiB"]
-    prefix = prefixes[0]
+def _scaled(value: int, prefixes, step: int, threshold: int) -> tuple[int, str]:
+    """``value`` in units of step**k, k growing while the value is still ``threshold`` or more
+    (torch.cuda.memory_summary's cells)."""
+    prefix, pref = prefixes[0], value
     for new_prefix in prefixes[1:]:
-        if pref_sz < 768 * 1024:
+        if pref < threshold:
             break
         prefix = new_prefix
-        sz //= 1024
-        pref_sz /= 1024
-    return f"{sz:6d} {prefix}"
+        value //= step
+        pref /= step
+    return value, prefix
 
 
-def _format_count(cnt: int, pref_cnt: int) -> str:
-    prefixes = [" ", "K", "M"]
-    prefix = prefixes[0]
-    for new_prefix in prefixes[1:]:
-        if pref_cnt < 750 * 1000:
-            break
-        prefix = new_prefix
-        cnt //= 1000
-        pref_cnt /= 1000
-    return f"{cnt:7d} {prefix} "
+def _format_size(sz: int) -> str:
+    return "{:6d} {}".format(*_scaled(sz, ["B  ", "KiB", "MiB", "GiB", "TiB", "PiB"], 1024, 768 * 1024))
+
+
+def _format_count(cnt: int) -> str:
+    return "{:7d} {} ".format(*_scaled(cnt, [" ", "K", "M"], 1000, 750 * 1000))
 
 
 def memory_summary(device=None, abbreviated: bool = False) -> str:
@@ -184,14 +181,14 @@ def memory_summary(device=None, abbreviated: bool = False) -> str:
     rows = [("allocated_bytes", "Allocated memory", _format_size),
             ("active_bytes", "Active memory", _format_size),
             ("requested_bytes", "Requested memory", _format_size),
-            ("reserved_bytes", "Device reserved memory", _format_size),
+            ("reserved_bytes", "Reserved memory", _format_size),
             ("inactive_split_bytes", "Non-releasable memory", _format_size),
             ("allocation", "Allocations", _format_count),
             ("active", "Active allocs", _format_count),
-            ("segment", "Device reserved segments", _format_count),
+            ("segment", "Reserved segments", _format_count),
             ("inactive_split", "Non-releasable allocs", _format_count)]
     lines = ["=" * 75,
-             f" {'':12} torchneuron memory summary, device neuron:{index:<17d} ",
+             f" {'':13} torchneuron memory summary, device neuron:{index:<17d} ",
              "-" * 75,
              f"  {'':9} OOMs: {stats['num_ooms']:<17d} | {'':6} alloc retries: {stats['num_alloc_retries']:<13d}  ",
              "=" * 75,
@@ -200,8 +197,7 @@ def memory_summary(device=None, abbreviated: bool = False) -> str:
         lines.append("-" * 75)
         p = f"{key}.all."
         cur, peak, alloc, freed = (stats[p + k] for k in ("current", "peak", "allocated", "freed"))
-        lines.append(f" {label:<21.21} | {fmt(cur, cur)} | {fmt(peak, peak)} | {fmt(alloc, alloc)} | "
-                     f"{fmt(freed, freed)} ")
+        lines.append(f" {label:<21.21} | {fmt(cur)} | {fmt(peak)} | {fmt(alloc)} | {fmt(freed)} ")
     lines.append("=" * 75)
     return "|" + "|\n|".join(lines) + "|\n"
 
