@@ -110,6 +110,11 @@ def __getattr__(name):
     if name in ("pad_to_multiple", "bucket_length"):
         from .compile import shapes  # heavier parts load on first use
         return getattr(shapes, name)
+    if name == "export":
+        # torchneuron.export.save / load: torch.export programs as neuron artifacts.
+        from .compile import export  # heavier parts load on first use
+        value = globals()[name] = export
+        return value
     if name in ("step", "track", "check"):
         # Migration-readiness report: mark steps, track values, or collect a report in-process.
         from . import report  # heavier parts load on first use
