@@ -126,6 +126,10 @@ def test_history_max_entries_keeps_newest():
         torch.neuron.memory._record_memory_history(enabled=None)
     with pytest.raises(ValueError, match="enabled"):
         torch.neuron.memory._record_memory_history(enabled="yes")
+    torch.neuron.memory._record_memory_history(True)     # the boolean form torch.cuda also takes
+    assert runtime_memory.history is not None
+    torch.neuron.memory._record_memory_history(False)
+    assert runtime_memory.history is None
 
 
 OOM_SCRIPT = r"""

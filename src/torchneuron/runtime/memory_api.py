@@ -297,6 +297,8 @@ def _record_memory_history(enabled: str | None = "all", context: str | None = "a
     ``context``: whose stacks are kept -- ``"all"`` (allocations and frees), ``"alloc"``,
     ``"state"`` (live allocations only) or None. ``stacks``: ``"python"`` and ``"all"`` both record
     Python stacks (there are no C++ frames to add). ``max_entries``: the trace keeps the newest."""
+    if enabled is True or enabled is False:   # the older boolean form of the same call
+        enabled = "all" if enabled else None
     if enabled not in (None, "all", "state"):
         raise ValueError(f"torchneuron: _record_memory_history(enabled={enabled!r}): expected "
                          "'all', 'state' or None")
