@@ -76,6 +76,10 @@ def test_transfer_cuda_in_process_maps_and_unmaps():
     assert torch.cuda.memory.memory_allocated is not torch.neuron.memory.memory_allocated
     # The readiness report's --device-map is the same mapping.
     assert devmap.DeviceMap is type(dm)
+    # torch.compile still knows PyTorch's factories (a neuron op's first run under the mapping used
+    # to fill Dynamo's table of torch functions with the mapping's wrappers).
+    compiled = torch.compile(lambda v: v + torch.arange(4, device=v.device), backend="neuron", fullgraph=True)
+    assert torch.equal(compiled(torch.ones(4, device="neuron")).cpu(), torch.arange(4) + 1.0)
 
 
 HF_SCRIPT = r"""

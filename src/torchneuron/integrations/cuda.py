@@ -105,7 +105,7 @@ class DeviceMap:
         setattr(owner, name, value)
 
     def install(self) -> DeviceMap:
-
+        _settle_dynamo()
         dm = self
         for name in _FACTORIES:
             fn = getattr(torch, name, None)
@@ -224,6 +224,18 @@ class DeviceMap:
                 delattr(owner, name)
             else:
                 setattr(owner, name, old)
+
+
+def _settle_dynamo() -> None:
+    """Dynamo resolves its table of torch functions by name once, the first time anything asks
+    for it (which can be any op's first run). Resolved while the factories are wrapped, the table
+    would hold the wrappers, and once they are removed Dynamo refuses ``torch.arange`` and the
+    others as unknown builtins in every later ``torch.compile``: resolve it before wrapping."""
+    try:
+        from torch._dynamo import trace_rules  # only here: torch._dynamo is heavy and often unused
+    except ImportError:
+        return
+    trace_rules.get_torch_obj_rule_map()
 
 
 _active: DeviceMap | None = None
