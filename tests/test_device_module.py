@@ -55,8 +55,9 @@ def test_accelerator_memory_functions_report_neuron_memory():
     torch.accelerator.reset_accumulated_memory_stats()
     assert torch.accelerator.memory_stats()["num_allocs"] == 0
     torch.accelerator.empty_cache()
-    with pytest.raises(RuntimeError, match="torch.neuron.memory_allocated"):
-        torch.accelerator.get_memory_info()
+    free, total = torch.accelerator.get_memory_info()
+    assert (free, total) == torch.neuron.memory.mem_get_info()
+    assert 0 <= free <= total == torch.neuron.get_device_properties().total_memory
     with pytest.raises(ValueError, match="doesn't match the current accelerator"):
         torch.accelerator.memory_allocated("cpu")
 

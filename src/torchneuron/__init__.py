@@ -50,6 +50,9 @@ def register() -> None:
         _setup_privateuseone_for_python_backend(
             "neuron", backend_module=device_module, hook=_Hooks(), device_guard=_Guard())
     registration.register_all()
+    # `import torch.neuron.memory` / `from torch.neuron.memory import ...`, as with torch.cuda.memory.
+    import sys
+    sys.modules.setdefault("torch.neuron.memory", device_module.memory)
     observe("eager_mode", adaptive.apply_mode)
     observe("device_checks", adaptive.device_checks_changed)
     printing.install()
@@ -65,6 +68,8 @@ def register() -> None:
     profiler.install_hooks()   # neuron ranges in torch.profiler traces
     integrations.install()     # transformers/accelerate device probes, DataLoader pinning
     _registered = True
+    if config.cuda:            # TORCHNEURON_CUDA=neuron: CUDA scripts run unchanged on neuron
+        transfer_cuda(config.cuda)
 
 
 def _autoload() -> None:
@@ -84,6 +89,15 @@ def eager_mode(mode: str):
     return adaptive.eager_mode(mode)
 
 
+def transfer_cuda(target: str = "neuron", *, warn: bool = True):
+    """Run code written for CUDA on neuron unchanged: ``"cuda"``/``"cuda:N"`` devices, ``.cuda()``,
+    ``torch.cuda.*`` (devices, synchronize, streams and events, memory statistics, RNG),
+    ``torch.autocast("cuda")``, ``GradScaler("cuda")`` and ``pin_memory`` map onto neuron, with one
+    warning naming what was mapped. Returns the mapping (``.uninstall()`` undoes it)."""
+    from .integrations import cuda  # not at the top: see there
+    return cuda.transfer_cuda(target, warn=warn)
+
+
 def kernel(name: str, fn=None, /, *, mutates_args=(), backward=None, tags=()):
     """Register a JAX function (jnp/lax code or a Pallas kernel) as the PyTorch custom op ``name``
     ("namespace::op"), shaped like ``torch.library.custom_op``. See docs/kernels.md."""
@@ -96,6 +110,11 @@ def __getattr__(name):
     if name in ("pad_to_multiple", "bucket_length"):
         from .compile import shapes  # heavier parts load on first use
         return getattr(shapes, name)
+    if name == "export":
+        # torchneuron.export.save / load: torch.export programs as neuron artifacts.
+        from .compile import export  # heavier parts load on first use
+        value = globals()[name] = export
+        return value
     if name in ("step", "track", "check"):
         # Migration-readiness report: mark steps, track values, or collect a report in-process.
         from . import report  # heavier parts load on first use
@@ -106,4 +125,4 @@ def __getattr__(name):
 
 register()
 
-__all__ = ["config", "metrics", "register", "kernel", "step", "track", "check", "__version__"]
+__all__ = ["config", "metrics", "register", "kernel", "transfer_cuda", "step", "track", "check", "__version__"]

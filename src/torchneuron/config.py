@@ -20,6 +20,7 @@ _CHOICES = {
     "compile_fallback": ("error", "eager"),
     "device_checks": ("deferred", "sync", "off"),
     "shapes": ("static", "bucketed"),
+    "cuda": ("", "neuron"),
 }
 
 
@@ -108,6 +109,12 @@ class Config:
     # across), or "auto": XLA's own choice (one per core, or the NPROC the user set). Read when the
     # CPU client starts.
     cpu_intra_op_threads: int | str = "auto"
+    # When set, a neuron allocation that fails with torch.OutOfMemoryError first writes
+    # torch.neuron.memory._snapshot() to this path (a pickle PyTorch's memory visualizer reads).
+    oom_snapshot: str = ""
+    # "neuron": a CUDA script runs unchanged on neuron (torchneuron.transfer_cuda() at import):
+    # "cuda" devices, .cuda(), torch.cuda.*, autocast("cuda") and GradScaler("cuda") map to neuron.
+    cuda: str = ""
 
     def __setattr__(self, name, value):
         value = _validated(name, value)

@@ -6,6 +6,14 @@ torch.compile graph and host<->device copy appears as a named range (``neuron::<
 ``neuron::h2d`` / ``neuron::d2h``) in its traces, and per-op statistics are gathered for
 :func:`summary`.
 
+With ``torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1])``
+the exported Chrome trace also holds a ``neuron:<i>`` process -- the device lane: one track of
+executions (eager ops and torch.compile graphs, waited for while a session records, so their
+slices last until the results are ready), one of compiles, one of host<->device transfers (with
+their bytes) and one of CPU fallbacks, each slice linked by a flow arrow from the CPU range that
+issued it. PyTorch's C++ profiler has no hook a Python backend can fill, so the lane is added to
+the JSON ``export_chrome_trace`` writes.
+
 The same tracer serves the migration-readiness report (call sites of the first call of each op,
 failures, fallback transfer costs). It is installed on ``metrics.tracer`` only while someone needs
 it; otherwise the kernels run their plain code and pay nothing (see ``eager.kernel.set_tracing``).
@@ -13,6 +21,9 @@ it; otherwise the kernels run their plain code and pay nothing (see ``eager.kern
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import sys
 import threading
 import time
@@ -23,6 +34,7 @@ import torch.autograd.profiler as autograd_profiler
 from . import seams
 from .eager import kernel
 from .metrics import metrics, op_key
+from .runtime import memory
 
 __all__ = ["enable", "disable", "reset", "stats", "summary", "is_enabled"]
 
@@ -47,6 +59,9 @@ class Tracer:
         self.timing = False       # gather per-op statistics for summary()
         self.stats: dict[tuple[str, str], OpStat] = {}
         self._range = None
+        # The device lane of the current or last torch.profiler session: (track, name, start ns,
+        # end ns (wall clock), issuing thread, extra args).
+        self.device_events: list = []
 
     # -- what the hooks call --------------------------------------------------------------------
     def kernel(self, k, call, args, kwargs):
@@ -64,8 +79,12 @@ class Tracer:
         stat = self._stat(name, "native")
         rng = self._enter("neuron::" + name) if self.ranges else None
         start = time.perf_counter_ns()
+        wall = time.time_ns() if rng is not None else 0
         try:
-            return call(k, *args, **kwargs)
+            result = call(k, *args, **kwargs)
+            if rng is not None:
+                self._executed(name, wall, result)
+            return result
         except BaseException as err:
             if col is not None:
                 col.failed(name, "native", err)
@@ -85,12 +104,14 @@ class Tracer:
         stat = self._stat(k.short_name, "native")
         rng = self._enter("neuron::compile::" + k.short_name) if self.ranges else None
         start = time.perf_counter_ns()
+        wall = time.time_ns() if rng is not None else 0
         try:
             return compile_fn(k, *args)
         finally:
             stat.compiles += 1
             stat.compile_ns += time.perf_counter_ns() - start
             if rng is not None:
+                self._device("compile", k.short_name, wall)
                 rng.__exit__(None, None, None)
 
     def fallback(self, op, run, args, kwargs):
@@ -106,6 +127,7 @@ class Tracer:
         dec_before = metrics.decompositions.get(name, 0)
         copies_before = (metrics.h2d_copies, metrics.h2d_bytes, metrics.d2h_copies, metrics.d2h_bytes)
         start = time.perf_counter_ns()
+        wall = time.time_ns() if rng is not None else 0
         error = None
         try:
             return run(op, *args, **kwargs)
@@ -114,13 +136,15 @@ class Tracer:
             raise
         finally:
             elapsed = time.perf_counter_ns() - start
-            if rng is not None:
-                rng.__exit__(None, None, None)
             went_cpu = (metrics.fallbacks.get(name, 0) > cpu_before
                         and metrics.decompositions.get(name, 0) == dec_before)
             if error is not None and type(error).__name__ == "FallbackError":
                 went_cpu = True    # fallback="error" refused to run it on CPU
             path = "cpu" if went_cpu else "decomposed"
+            if rng is not None:
+                if went_cpu:
+                    self._device("fallback", name, wall, {"path": "cpu"})
+                rng.__exit__(None, None, None)
             if self.timing:
                 stat = self._stat(name, path)
                 stat.calls += 1
@@ -141,13 +165,18 @@ class Tracer:
         before = getattr(metrics, counter)
         rng = self._enter("neuron::" + direction) if self.ranges else None
         start = time.perf_counter_ns()
+        wall = time.time_ns() if rng is not None else 0
         try:
-            return fn(*args)
+            result = fn(*args)
+            if rng is not None and direction == "h2d":
+                _block(result)   # the upload's slice lasts until the buffer is on the device
+            return result
         finally:
             elapsed = time.perf_counter_ns() - start
-            if rng is not None:
-                rng.__exit__(None, None, None)
             nbytes = getattr(metrics, counter) - before
+            if rng is not None:
+                self._device("transfer", direction, wall, {"bytes": nbytes})
+                rng.__exit__(None, None, None)
             if self.timing:
                 stat = self._stat(direction, "copy")
                 stat.calls += 1
@@ -164,8 +193,12 @@ class Tracer:
         stat = self._stat(name, "graph")
         rng = self._enter("neuron::" + name) if self.ranges else None
         start = time.perf_counter_ns()
+        wall = time.time_ns() if rng is not None else 0
         try:
-            return call(program, *args)
+            result = call(program, *args)
+            if rng is not None:
+                self._executed(name, wall, result)
+            return result
         finally:
             stat.calls += 1
             stat.total_ns += time.perf_counter_ns() - start
@@ -179,12 +212,14 @@ class Tracer:
         stat = self._stat(name, "graph")
         rng = self._enter("neuron::compile::" + name) if self.ranges else None
         start = time.perf_counter_ns()
+        wall = time.time_ns() if rng is not None else 0
         try:
             return compile_fn(program, *args)
         finally:
             stat.compiles += 1
             stat.compile_ns += time.perf_counter_ns() - start
             if rng is not None:
+                self._device("compile", name, wall)
                 rng.__exit__(None, None, None)
 
     def float64(self, op_name):
@@ -204,6 +239,42 @@ class Tracer:
         rng = self._range(name)
         rng.__enter__()
         return rng
+
+    def _device(self, track, name, start_wall, args=None, device=None, issued=None):
+        self.device_events.append((track, name, start_wall, time.time_ns(), threading.get_native_id(),
+                                   args, device, start_wall if issued is None else issued))
+
+    def _executed(self, name, start_wall, result):
+        """An execution's device slice: from its dispatch until its results are ready."""
+        device = _block(result)
+        issued = start_wall
+        compiled = self.device_events[-1] if self.device_events else None
+        if compiled is not None and compiled[0] == "compile" and compiled[2] >= start_wall:
+            start_wall = compiled[3]   # the compile inside this call is the compile track's
+        self._device("execute", name, start_wall, None, device, issued)
+
+
+def _block(result):
+    """Wait until the device buffers behind ``result``'s neuron tensors are computed; returns the
+    device index of the first one (None if none)."""
+    device = None
+    stack = [result]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            if v.device.type == "neuron":
+                rec = memory.allocator.records.get(v.untyped_storage().data_ptr())
+                if rec is not None:
+                    if device is None:
+                        device = rec.device_index
+                    wait = getattr(rec.buf, "block_until_ready", None)
+                    if wait is not None:
+                        wait()
+        elif isinstance(v, (tuple, list)):
+            stack.extend(v)
+        elif hasattr(v, "block_until_ready"):   # a jax.Array (an upload's buffer)
+            v.block_until_ready()
+    return device
 
 
 _tracer = Tracer()
@@ -245,6 +316,7 @@ def attach_collector(collector) -> None:
 def _session_started() -> None:
     with _lock:
         _tracer.stats = {}
+        _tracer.device_events = []
         _tracer.ranges = True
         _tracer.timing = True
         update()
@@ -284,7 +356,75 @@ def install_hooks() -> None:
 
     autograd_profiler._run_on_profiler_start = run_on_profiler_start
     autograd_profiler._run_on_profiler_stop = run_on_profiler_stop
+    # torch.profiler.profile.export_chrome_trace (and tensorboard_trace_handler) end here, also for
+    # a .gz path (written as JSON first, then compressed).
+    export = autograd_profiler.profile.export_chrome_trace
+
+    @functools.wraps(export)
+    def export_chrome_trace(prof, path, *args, **kwargs):
+        result = export(prof, path, *args, **kwargs)
+        if getattr(prof, "use_device", None) == "neuron" and isinstance(path, str | os.PathLike):
+            add_device_lane(os.fspath(path), list(_tracer.device_events))
+        return result
+
+    autograd_profiler.profile.export_chrome_trace = export_chrome_trace
     _hooks_installed = True
+
+
+# -- the device lane ------------------------------------------------------------------------------
+_TRACKS = {"execute": (0, "executions", "neuron::"), "compile": (1, "compiles", "neuron::compile::"),
+           "transfer": (2, "host<->device transfers", "neuron::"),
+           "fallback": (3, "CPU fallbacks", "neuron::fallback::")}
+_LANE_PID = 1 << 24   # the neuron:<i> process of the trace is _LANE_PID + i
+
+
+def device_lane(events: list, base_ns: int, cpu_events: list, pid: int) -> list:
+    """Chrome trace events of the neuron lane: per device a process with one thread per track, a
+    slice per recorded event, and a flow from the CPU range (``cpu_events``, on ``pid``) that
+    issued it."""
+    ranges: dict = {}
+    for e in cpu_events:
+        if e.get("ph") == "X" and str(e.get("name", "")).startswith("neuron::"):
+            ranges.setdefault((e["name"], e.get("tid")), []).append(e)
+    out = []
+    devices = set()
+    for n, (track, name, start, end, thread, args, device, issued) in enumerate(events):
+        tid, _, prefix = _TRACKS[track]
+        index = 0 if device is None else device
+        devices.add(index)
+        ts = (start - base_ns) / 1000
+        lane = _LANE_PID + index
+        out.append({"ph": "X", "cat": "neuron", "name": name, "pid": lane, "tid": tid, "ts": ts,
+                    "dur": max((end - start) / 1000, 0.001), "args": dict(args or {}, device=f"neuron:{index}")})
+        candidates = ranges.get((prefix + name, thread))
+        if not candidates:
+            continue
+        at = (issued - base_ns) / 1000   # when the CPU range issued it: inside that range
+        cpu = min(candidates, key=lambda e: (not e["ts"] <= at <= e["ts"] + e.get("dur", 0), abs(e["ts"] - at)))
+        start_ts = min(max(at, cpu["ts"]), cpu["ts"] + cpu.get("dur", 0))
+        flow = {"cat": "neuron_flow", "name": "neuron", "id": n + 1}
+        out.append({**flow, "ph": "s", "pid": cpu.get("pid", pid), "tid": thread, "ts": start_ts})
+        out.append({**flow, "ph": "f", "bp": "e", "pid": lane, "tid": tid, "ts": ts})
+    for index in sorted(devices):
+        lane = _LANE_PID + index
+        out.append({"ph": "M", "name": "process_name", "pid": lane, "args": {"name": f"neuron:{index}"}})
+        out.append({"ph": "M", "name": "process_sort_index", "pid": lane, "args": {"sort_index": lane}})
+        for tid, label, _ in _TRACKS.values():
+            out.append({"ph": "M", "name": "thread_name", "pid": lane, "tid": tid, "args": {"name": label}})
+    return out
+
+
+def add_device_lane(path: str, events: list) -> None:
+    """Add the neuron lane to a Chrome trace JSON file PyTorch's profiler wrote."""
+    if not events:
+        return
+    with open(path) as f:
+        trace = json.load(f)
+    lane = device_lane(events, int(trace.get("baseTimeNanoseconds", 0)), trace.get("traceEvents", []),
+                       os.getpid())
+    trace.setdefault("traceEvents", []).extend(lane)
+    with open(path, "w") as f:
+        json.dump(trace, f)
 
 
 # -- public API -----------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import sys
 import threading
 import time
@@ -13,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import config
-from . import deferred, fork, memory, pjrt, rng
+from . import deferred, fork, memory_api, pjrt, rng
+from . import memory as _storage
 
 _state = threading.local()
 
@@ -107,9 +107,9 @@ class device:  # noqa: N801 - mirrors torch.cuda.device
 
 def synchronize(device=None) -> None:
     """Wait until every pending computation on neuron buffers has finished."""
-    memory.flush_pending("synchronize")
-    memory.allocator.collect()
-    for rec in list(memory.allocator.records.values()):
+    _storage.flush_pending("synchronize")
+    _storage.allocator.collect()
+    for rec in list(_storage.allocator.records.values()):
         buf = rec.buf
         if buf is not None:
             buf.block_until_ready()
@@ -189,52 +189,23 @@ def set_rng_state_all(states) -> None:
 
 
 # -- memory ---------------------------------------------------------------------------------------
-def memory_allocated(device=None) -> int:
-    memory.allocator.collect()
-    return memory.allocator.allocated.get(_index(device), 0)
-
-
-def max_memory_allocated(device=None) -> int:
-    return memory.allocator.peak.get(_index(device), 0)
-
-
-def reset_peak_memory_stats(device=None) -> None:
-    index = _index(device)
-    memory.allocator.collect()
-    memory.allocator.peak[index] = memory.allocator.allocated.get(index, 0)
-
-
-def reset_accumulated_memory_stats(device=None) -> None:
-    _index(device)
-    memory.allocator.num_allocs = memory.allocator.num_frees = 0
-
-
-def memory_stats(device=None) -> dict:
-    index = _index(device)
-    a = memory.allocator
-    a.collect()
-    live = sum(1 for r in a.records.values() if r.device_index == index)
-    return {
-        "allocated_bytes.all.current": a.allocated.get(index, 0),
-        "allocated_bytes.all.peak": a.peak.get(index, 0),
-        "allocation.all.current": live,
-        "num_alloc_retries": 0,
-        "num_allocs": a.num_allocs,
-        "num_frees": a.num_frees,
-    }
-
-
-def memory_reserved(device=None) -> int:
-    return memory_allocated(device)
-
-
-def max_memory_reserved(device=None) -> int:
-    return max_memory_allocated(device)
-
-
-def empty_cache() -> None:
-    """Free compiled executables held only by caches; device buffers are freed with their storages."""
-    gc.collect()
+# torch.neuron.memory is the public memory module (torch.cuda.memory's functions); its statistics
+# functions are also torch.neuron's, as torch.cuda's are.
+memory = memory_api
+from .memory_api import (  # noqa: E402, F401 - re-exported as torch.neuron.<name>
+    empty_cache,
+    max_memory_allocated,
+    max_memory_reserved,
+    mem_get_info,
+    memory_allocated,
+    memory_reserved,
+    memory_snapshot,
+    memory_stats,
+    memory_summary,
+    reset_accumulated_memory_stats,
+    reset_max_memory_allocated,
+    reset_peak_memory_stats,
+)
 
 
 @contextlib.contextmanager
@@ -309,9 +280,7 @@ def stream(stream):
 # is initialised) and a CachingDeviceAllocator (an INTERNAL ASSERT). With neuron the current
 # accelerator they are this module's functions; other accelerators keep PyTorch's.
 def _get_memory_info(device=None):
-    raise RuntimeError(
-        "torchneuron: torch.accelerator.get_memory_info() (free and total bytes) is not available for "
-        "neuron; use torch.neuron.memory_allocated() and torch.neuron.get_device_properties().total_memory")
+    return mem_get_info(device)
 
 
 # torch.accelerator's name -> the neuron function it runs.
@@ -364,7 +333,7 @@ _storage_resize = torch.UntypedStorage.resize_
 def _resize_storage(storage, size):
     if storage.device.type != "neuron":
         return _storage_resize(storage, size)
-    rec = memory.allocator.records.get(storage.data_ptr())
+    rec = _storage.allocator.records.get(storage.data_ptr())
     nbytes = storage.nbytes()
     if rec is None or size not in (0, nbytes):
         raise RuntimeError(

@@ -212,6 +212,8 @@ class _Allocator:
         self.peak = {}
         self.num_allocs = 0
         self.num_frees = 0
+        self.freed_bytes = {}   # device index -> bytes freed since start
+        self.freed_count = {}   # device index -> storages freed since start
 
     def collect(self) -> None:
         """Account for the storages PyTorch freed since the last call: drop their buffers and their
@@ -231,9 +233,14 @@ class _Allocator:
                     # cannot leave a half-done free; one raised after the popleft finds it done.
                     del self.records[watch.addr]
                     del self._watches[watch.addr]
-                    self.allocated[record.device_index] -= record.nbytes
+                    index = record.device_index
+                    self.allocated[index] -= record.nbytes
+                    self.freed_bytes[index] = self.freed_bytes.get(index, 0) + record.nbytes
+                    self.freed_count[index] = self.freed_count.get(index, 0) + 1
                     self.num_frees += 1
                     record.buf = None
+                    if history is not None:
+                        history.free(watch.addr, record.nbytes, index)
                 freed.popleft()
 
     def _register(self, nbytes: int, dtype: torch.dtype, device_index: int, buf) -> int:
@@ -253,6 +260,8 @@ class _Allocator:
             if used > self.peak.get(device_index, 0):
                 self.peak[device_index] = used
             self.records[addr] = record
+        if history is not None:
+            history.alloc(addr, nbytes, device_index)
         return addr
 
     def _watch(self, tensor: torch.Tensor, addr: int) -> torch.Tensor:
@@ -301,6 +310,7 @@ class _Allocator:
         if storage_nbytes is None:
             storage_nbytes = extent_bytes
         if storage_nbytes > pjrt.total_memory(device_index):
+            _out_of_memory(device_index, storage_nbytes)
             raise torch.OutOfMemoryError(
                 f"torchneuron: out of memory: tried to allocate {_gib(storage_nbytes)} "
                 f"({storage_nbytes} bytes) on neuron:{device_index}, whose total capacity is "
@@ -324,6 +334,19 @@ class _Allocator:
         if flat:
             tensor = _AS_STRIDED(_CPU_KEYS, tensor, list(sizes), list(strides), 0)
         return tensor
+
+
+# The memory-history recorder of torch.neuron.memory._record_memory_history() (memory_api._History),
+# or None: the allocator reports each allocation and free to it only while it is set.
+history = None
+num_ooms: dict = {}   # device index -> out-of-memory errors raised
+
+
+def _out_of_memory(device_index: int, nbytes: int) -> None:
+    num_ooms[device_index] = num_ooms.get(device_index, 0) + 1
+    # Imported here: memory_api imports this module.
+    from .memory_api import _on_oom
+    _on_oom(device_index, nbytes)
 
 
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)

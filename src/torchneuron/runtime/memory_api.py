@@ -1,0 +1,382 @@
+"""``torch.neuron.memory``: the memory functions of ``torch.cuda.memory``, for neuron devices.
+
+Statistics come from the allocator (``runtime/memory.py``), which gives every storage its own
+device buffer: there is no caching allocator, so reserved memory equals allocated memory, every
+allocation is one segment of one block, and ``empty_cache()`` has no cached blocks to release.
+Counts and bytes match ``torch.cuda.memory_stats()``'s key names for the ``all`` pool
+(``allocated_bytes.all.current``, ``segment.all.peak``, ``num_alloc_retries``...); byte peaks are
+exact, count peaks are the largest live count seen when statistics are read (the allocation path
+counts bytes only, to stay cheap).
+
+``_record_memory_history()`` / ``_snapshot()`` / ``_dump_snapshot()`` produce the snapshot format
+``torch.cuda.memory._snapshot()`` does (``segments`` and ``device_traces``), which PyTorch's
+visualizer (https://pytorch.org/memory_viz, ``torch.cuda._memory_viz``) reads. Stacks are Python
+stacks (torchneuron's own frames left out); a free is recorded when the allocator accounts for it,
+at the next allocation or statistics read after PyTorch released the storage.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import sys
+import time
+
+from ..config import config
+from . import memory as _memory
+from . import pjrt
+
+__all__ = [
+    "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+    "memory_stats", "memory_summary", "mem_get_info", "reset_peak_memory_stats",
+    "reset_max_memory_allocated", "reset_max_memory_cached", "reset_accumulated_memory_stats",
+    "empty_cache", "memory_snapshot", "_record_memory_history", "_snapshot", "_dump_snapshot",
+]
+
+_allocator = _memory.allocator
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LARGE = 1 << 20   # torch.cuda's large-pool threshold (1 MiB)
+
+
+def _index(device) -> int:
+    # Imported here: device.py imports this module (torch.neuron.memory is this module).
+    from .device import _index as index
+    return index(device)
+
+
+# -- statistics -----------------------------------------------------------------------------------
+class _Accumulated:
+    """Per device: the allocator's totals when accumulated statistics were last reset."""
+
+    def __init__(self):
+        self.bases: dict = {}   # device index -> (allocated bytes, freed bytes, live, frees)
+        self.count_peak: dict = {}   # device index -> largest live count seen
+        self.num_ooms: dict = {}
+
+
+_acc = _Accumulated()
+
+
+def _live(index: int) -> tuple[int, int]:
+    """(number of live storages, their bytes) on one device."""
+    n = 0
+    for r in list(_allocator.records.values()):
+        if r.device_index == index:
+            n += 1
+    return n, _allocator.allocated.get(index, 0)
+
+
+def memory_allocated(device=None) -> int:
+    """Bytes held by live neuron tensors' storages on ``device``."""
+    _allocator.collect()
+    return _allocator.allocated.get(_index(device), 0)
+
+
+def max_memory_allocated(device=None) -> int:
+    """The peak of ``memory_allocated()`` since start or ``reset_peak_memory_stats()``."""
+    _allocator.collect()
+    return _allocator.peak.get(_index(device), 0)
+
+
+def memory_reserved(device=None) -> int:
+    """Equal to ``memory_allocated()``: each storage has its own buffer, nothing is cached."""
+    return memory_allocated(device)
+
+
+def max_memory_reserved(device=None) -> int:
+    return max_memory_allocated(device)
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    index = _index(device)
+    _allocator.collect()
+    _allocator.peak[index] = _allocator.allocated.get(index, 0)
+    _acc.count_peak[index] = _live(index)[0]
+
+
+def reset_max_memory_allocated(device=None) -> None:
+    reset_peak_memory_stats(device)
+
+
+def reset_max_memory_cached(device=None) -> None:
+    reset_peak_memory_stats(device)
+
+
+def reset_accumulated_memory_stats(device=None) -> None:
+    index = _index(device)
+    _allocator.collect()
+    live, current = _live(index)
+    _acc.bases[index] = (current, _allocator.freed_bytes.get(index, 0), live,
+                         _allocator.freed_count.get(index, 0))
+    _acc.num_ooms[index] = 0
+    _allocator.num_allocs = _allocator.num_frees = 0
+
+
+def _stat(prefix: str, current: int, peak: int, allocated: int, freed: int, out: dict) -> None:
+    out[prefix + ".current"] = current
+    out[prefix + ".peak"] = peak
+    out[prefix + ".allocated"] = allocated
+    out[prefix + ".freed"] = freed
+
+
+def memory_stats(device=None) -> dict:
+    """The statistics ``torch.cuda.memory_stats()`` gives, under the same key names (sorted)."""
+    index = _index(device)
+    a = _allocator
+    a.collect()
+    live, current = _live(index)
+    peak_count = max(_acc.count_peak.get(index, 0), live)
+    _acc.count_peak[index] = peak_count
+    base_bytes, base_freed, base_live, base_frees = _acc.bases.get(index, (0, 0, 0, 0))
+    freed_bytes = a.freed_bytes.get(index, 0) - base_freed
+    freed = a.freed_count.get(index, 0) - base_frees
+    allocated_bytes = current - base_bytes + freed_bytes
+    allocations = live - base_live + freed
+    peak_bytes = a.peak.get(index, 0)
+    out: dict = {}
+    # No caching allocator: reserved = active = requested = allocated, one segment per allocation.
+    for name in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):
+        _stat(f"{name}.all", current, peak_bytes, allocated_bytes, freed_bytes, out)
+    for name in ("allocation", "segment", "active"):
+        _stat(f"{name}.all", live, peak_count, allocations, freed, out)
+    for name in ("inactive_split_bytes.all", "inactive_split.all", "oversize_allocations",
+                 "oversize_segments"):
+        _stat(name, 0, 0, 0, 0, out)
+    ooms = _memory.num_ooms.get(index, 0) - _acc.num_ooms.get(index, 0)
+    out.update({"num_alloc_retries": 0, "num_ooms": ooms, "num_sync_all_streams": 0,
+                "num_device_alloc": allocations, "num_device_free": freed,
+                "max_split_size": -1,
+                # torchneuron's own (all devices): allocations and frees since the last reset.
+                "num_allocs": a.num_allocs, "num_frees": a.num_frees})
+    return dict(sorted(out.items()))
+
+
+def _scaled(value: int, prefixes, step: int, threshold: int) -> tuple[int, str]:
+    """``value`` in units of step**k, k growing while the value is still ``threshold`` or more
+    (torch.cuda.memory_summary's cells)."""
+    prefix, pref = prefixes[0], value
+    for new_prefix in prefixes[1:]:
+        if pref < threshold:
+            break
+        prefix = new_prefix
+        value //= step
+        pref /= step
+    return value, prefix
+
+
+def _format_size(sz: int) -> str:
+    return "{:6d} {}".format(*_scaled(sz, ["B  ", "KiB", "MiB", "GiB", "TiB", "PiB"], 1024, 768 * 1024))
+
+
+def _format_count(cnt: int) -> str:
+    return "{:7d} {} ".format(*_scaled(cnt, [" ", "K", "M"], 1000, 750 * 1000))
+
+
+def memory_summary(device=None, abbreviated: bool = False) -> str:
+    """A table of ``memory_stats()`` laid out as ``torch.cuda.memory_summary()``'s (the ``all``
+    rows: neuron has no large/small pools)."""
+    index = _index(device)
+    stats = memory_stats(index)
+    rows = [("allocated_bytes", "Allocated memory", _format_size),
+            ("active_bytes", "Active memory", _format_size),
+            ("requested_bytes", "Requested memory", _format_size),
+            ("reserved_bytes", "Reserved memory", _format_size),
+            ("inactive_split_bytes", "Non-releasable memory", _format_size),
+            ("allocation", "Allocations", _format_count),
+            ("active", "Active allocs", _format_count),
+            ("segment", "Reserved segments", _format_count),
+            ("inactive_split", "Non-releasable allocs", _format_count)]
+    lines = ["=" * 75,
+             f" {'':13} torchneuron memory summary, device neuron:{index:<17d} ",
+             "-" * 75,
+             f"  {'':9} OOMs: {stats['num_ooms']:<17d} | {'':6} alloc retries: {stats['num_alloc_retries']:<13d}  ",
+             "=" * 75,
+             "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  "]
+    for key, label, fmt in rows:
+        lines.append("-" * 75)
+        p = f"{key}.all."
+        cur, peak, alloc, freed = (stats[p + k] for k in ("current", "peak", "allocated", "freed"))
+        lines.append(f" {label:<21.21} | {fmt(cur)} | {fmt(peak)} | {fmt(alloc)} | {fmt(freed)} ")
+    lines.append("=" * 75)
+    return "|" + "|\n|".join(lines) + "|\n"
+
+
+def mem_get_info(device=None) -> tuple[int, int]:
+    """(free bytes, total bytes) of a device: PJRT's ``bytes_limit``/``bytes_in_use`` where the
+    platform reports them (GPU, TPU, Neuron), else (the CPU platform) the host's memory less what
+    live neuron storages hold."""
+    index = _index(device)
+    stats = None
+    try:
+        stats = pjrt.device(index).memory_stats()
+    except Exception:  # noqa: BLE001 - platforms without memory statistics
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        total = int(stats["bytes_limit"])
+        return total - int(stats.get("bytes_in_use", 0)), total
+    total = pjrt.total_memory(index)
+    return max(total - memory_allocated(index), 0), total
+
+
+def empty_cache() -> None:
+    """Run the garbage collector so that unreachable tensors' storages are freed (no blocks are
+    cached: a storage's buffer goes when the storage dies)."""
+    import gc  # only here: the one use
+    gc.collect()
+    _allocator.collect()
+
+
+# -- history and snapshots ------------------------------------------------------------------------
+def _frames(skip: int = 2) -> list:
+    """The Python stack of the caller, innermost first (torch.cuda's order), as snapshot frames;
+    torchneuron's own frames are left out."""
+    frames = []
+    f = sys._getframe(skip)
+    while f is not None:
+        code = f.f_code
+        filename = code.co_filename
+        if not filename.startswith(_PACKAGE_DIR):
+            frames.append({"filename": filename, "line": f.f_lineno, "name": code.co_name})
+        f = f.f_back
+    return frames
+
+
+class _History:
+    """Records allocations and frees while ``_record_memory_history`` is on (the allocator calls
+    ``alloc``/``free`` only when ``memory.history`` is set)."""
+
+    def __init__(self, trace: bool, alloc_stacks: bool, free_stacks: bool, state_stacks: bool,
+                 max_entries: int):
+        self.trace = trace
+        self.alloc_stacks, self.free_stacks, self.state_stacks = alloc_stacks, free_stacks, state_stacks
+        self.entries: dict = {}   # device index -> deque of trace entries
+        self.max_entries = max_entries
+        self.live_frames: dict = {}   # storage address -> frames of its allocation
+
+    def _entries(self, index: int):
+        found = self.entries.get(index)
+        if found is None:
+            found = self.entries[index] = collections.deque(maxlen=self.max_entries)
+        return found
+
+    def _add(self, index: int, action: str, addr: int, size: int, frames: list, **extra) -> None:
+        entry = {"action": action, "addr": addr, "size": size, "stream": 0,
+                 "time_us": time.time_ns() // 1000, "frames": frames, **extra}
+        self._entries(index).append(entry)
+
+    def alloc(self, addr: int, nbytes: int, index: int) -> None:
+        frames = _frames(3) if (self.alloc_stacks or self.state_stacks) else []
+        if self.state_stacks:
+            self.live_frames[addr] = frames
+        if self.trace:
+            recorded = frames if self.alloc_stacks else []
+            self._add(index, "segment_alloc", addr, nbytes, recorded)
+            self._add(index, "alloc", addr, nbytes, recorded)
+
+    def free(self, addr: int, nbytes: int, index: int) -> None:
+        self.live_frames.pop(addr, None)
+        if self.trace:
+            frames = _frames(3) if self.free_stacks else []
+            self._add(index, "free_requested", addr, nbytes, frames)
+            self._add(index, "free_completed", addr, nbytes, frames)
+            self._add(index, "segment_free", addr, nbytes, frames)
+
+    def oom(self, index: int, nbytes: int, device_free: int) -> None:
+        if self.trace:
+            self._add(index, "oom", 0, nbytes, _frames(3) if self.alloc_stacks else [],
+                      device_free=device_free)
+
+
+def _record_memory_history(enabled: str | None = "all", context: str | None = "all",
+                           stacks: str = "all", max_entries: int = sys.maxsize, device=None,
+                           clear_history: bool = False, **_ignored) -> None:
+    """Start (``enabled="all"``: trace every alloc/free; ``"state"``: only the live allocations'
+    stacks) or stop (``enabled=None``) recording, as ``torch.cuda.memory._record_memory_history``.
+
+    ``context``: whose stacks are kept -- ``"all"`` (allocations and frees), ``"alloc"``,
+    ``"state"`` (live allocations only) or None. ``stacks``: ``"python"`` and ``"all"`` both record
+    Python stacks (there are no C++ frames to add). ``max_entries``: the trace keeps the newest."""
+    if enabled is True or enabled is False:   # the older boolean form of the same call
+        enabled = "all" if enabled else None
+    if enabled not in (None, "all", "state"):
+        raise ValueError(f"torchneuron: _record_memory_history(enabled={enabled!r}): expected "
+                         "'all', 'state' or None")
+    if context not in (None, "all", "alloc", "state"):
+        raise ValueError(f"torchneuron: _record_memory_history(context={context!r}): expected "
+                         "'all', 'alloc', 'state' or None")
+    if stacks not in ("python", "all"):
+        raise ValueError(f"torchneuron: _record_memory_history(stacks={stacks!r}): expected "
+                         "'python' or 'all'")
+    _allocator.collect()   # frees before this call are not part of the history
+    if enabled is None:
+        _memory.history = None
+        return
+    previous = _memory.history
+    history = _History(trace=enabled == "all", alloc_stacks=context in ("all", "alloc"),
+                       free_stacks=context == "all", state_stacks=context is not None,
+                       max_entries=max_entries)
+    if previous is not None and not clear_history:
+        history.live_frames = previous.live_frames
+        for index, entries in previous.entries.items():
+            history._entries(index).extend(entries)
+    _memory.history = history
+
+
+def _block_frames(history, addr: int) -> list:
+    if history is None:
+        return []
+    return history.live_frames.get(addr, [])
+
+
+def _snapshot(device=None, augment_with_fx_traces: bool = False) -> dict:
+    """The allocator's state and recorded trace, in ``torch.cuda.memory._snapshot()``'s format."""
+    _allocator.collect()
+    history = _memory.history
+    segments = []
+    for addr, rec in sorted(list(_allocator.records.items())):
+        frames = _block_frames(history, addr)
+        block = {"address": addr, "size": rec.nbytes, "requested_size": rec.nbytes,
+                 "state": "active_allocated", "frames": frames}
+        segments.append({
+            "device": rec.device_index, "address": addr, "total_size": rec.nbytes,
+            "allocated_size": rec.nbytes, "active_size": rec.nbytes, "requested_size": rec.nbytes,
+            "stream": 0, "segment_type": "large" if rec.nbytes > _LARGE else "small",
+            "segment_pool_id": (0, 0), "is_expandable": False, "frames": frames, "blocks": [block]})
+    count = max(pjrt.device_count(), 1)
+    traces = [[] for _ in range(count)]
+    if history is not None:
+        for index, entries in history.entries.items():
+            if index < count:
+                traces[index] = [dict(e) for e in entries]
+    return {"segments": segments, "device_traces": traces,
+            "allocator_settings": {"PYTORCH_NEURON_ALLOC_CONF": "", "expandable_segments": False}}
+
+
+def memory_snapshot() -> list:
+    """The live segments (``torch.cuda.memory_snapshot()``: ``_snapshot()["segments"]``)."""
+    return _snapshot()["segments"]
+
+
+def _dump_snapshot(filename: str = "dump_snapshot.pickle") -> None:
+    """Write ``_snapshot()`` as a pickle (open it at https://pytorch.org/memory_viz, or render it
+    with ``python -m torch.cuda._memory_viz trace_plot FILE -o out.html``)."""
+    snapshot = _snapshot()
+    with open(filename, "wb") as f:
+        pickle.dump(snapshot, f)
+
+
+def _on_oom(device_index: int, nbytes: int) -> None:
+    """Called by the allocator before it raises ``torch.OutOfMemoryError``: records the OOM in the
+    history and writes a snapshot where ``config.oom_snapshot`` says."""
+    free = max(pjrt.total_memory(device_index) - _allocator.allocated.get(device_index, 0), 0)
+    history = _memory.history
+    if history is not None:
+        history.oom(device_index, nbytes, free)
+    path = config.oom_snapshot
+    if path:
+        try:
+            _dump_snapshot(path)
+        except OSError as e:
+            print(f"torchneuron: could not write the out-of-memory snapshot to {path}: {e}",
+                  file=sys.stderr)
