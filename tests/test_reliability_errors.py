@@ -138,3 +138,38 @@ def test_out_overlap_is_checked_per_call_not_per_dtypes():
     got, expected = calls("neuron"), calls("cpu")
     assert got[0] == expected[0] and got[0][1].startswith("unsupported operation")
     torch.testing.assert_close(got[1], expected[1])
+
+
+# Index tensors the meta kernels let through: a float index (CPU: IndexError for index/index_put,
+# each op's own error for index_fill, put...) gave a RuntimeError ("compiling ... failed") in
+# adaptive eager, or ran (x[f] = t); a boolean mask of the wrong shape ran in both modes.
+_INDEX_CASES = [
+    ("getitem-float", lambda d, x: x[torch.tensor([0.0, 1.0], device=d)]),
+    ("setitem-float", lambda d, x: x.__setitem__(torch.tensor([0.0, 1.0], device=d), torch.ones(4, device=d))),
+    ("index_put_-float-accumulate", lambda d, x: x.index_put_((torch.tensor([0.0], device=d),),
+                                                                torch.tensor(1.0, device=d), accumulate=True)),
+    ("index_put_-float-cpu-index", lambda d, x: x.index_put_((torch.tensor([0.0]),), torch.tensor(1.0, device=d))),
+    ("index_fill-float", lambda d, x: x.index_fill(0, torch.tensor([0.0], device=d), 1.0)),
+    ("index_add-float", lambda d, x: x.index_add(0, torch.tensor([0.0], device=d), torch.ones(1, 4, device=d))),
+    ("index_copy-float", lambda d, x: x.index_copy(0, torch.tensor([0.0], device=d), torch.ones(1, 4, device=d))),
+    ("put-float", lambda d, x: x.put(torch.tensor([0.0], device=d), torch.ones(1, device=d))),
+    ("getitem-mask-shape", lambda d, x: x[torch.tensor([True, False], device=d)]),
+    ("getitem-mask-shape-dim1", lambda d, x: x[:, torch.ones(3, dtype=torch.bool, device=d)]),
+    ("setitem-mask-shape", lambda d, x: x.__setitem__(torch.tensor([True, False], device=d), 1.0)),
+    ("getitem-cpu-mask-shape", lambda d, x: x[torch.tensor([True, False])]),
+]
+
+
+@pytest.mark.parametrize("mode", ["plain", "adaptive"])
+@pytest.mark.parametrize("fn", [f for _, f in _INDEX_CASES], ids=[n for n, _ in _INDEX_CASES])
+def test_bad_index_tensors_raise_cpus_error(fn, mode):
+    import torchneuron
+    with pytest.raises(Exception) as cpu:
+        fn("cpu", torch.arange(12.0).view(3, 4))
+    with pytest.raises(type(cpu.value)) as neuron, torchneuron.eager_mode(mode):
+        out = fn("neuron", torch.arange(12.0, device="neuron").view(3, 4))
+        torch.neuron.synchronize()
+        if isinstance(out, torch.Tensor):
+            out.cpu()
+    assert type(neuron.value) is type(cpu.value)
+    assert str(neuron.value).splitlines()[0] == str(cpu.value).splitlines()[0]
