@@ -86,7 +86,11 @@ def _needs_host_work(indices) -> bool:
 
 
 def make_index(kernel):
+    unsafe = getattr(kernel, "name", "").startswith("aten::_unsafe_index")
+
     def index(self, indices):
+        if unsafe and any(i is not None and i.dtype == torch.bool for i in indices):
+            raise RuntimeError("_unsafe_index found unexpected index type Bool")   # ATen's check
         if _needs_host_work(indices):
             indices = _device_indices(self, indices)
         return kernel(self, indices)
