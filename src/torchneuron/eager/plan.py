@@ -269,6 +269,8 @@ class Planning:
 
         out = jax.eval_shape(run, *[spec_args[i] for i in traced])
         outs = out if isinstance(out, list | tuple) else (out,)
+        if self.mutated:   # a lowering returns the mutated arguments first: not the op's outputs
+            outs = outs[len(self.mutated_tensors(values)):]
         # None: an output the op leaves undefined (a bias gradient without a bias)
         metas = [None if o is None else torch.empty(o.shape, dtype=torch_dtype(o.dtype), device="meta")
                  for o in outs]
