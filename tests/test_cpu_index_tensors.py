@@ -33,6 +33,12 @@ _ACCEPTED = {
     "index_put": lambda x: x.index_put((_IDX, torch.tensor([1, 1, 4])), _ones(x, 3), accumulate=True),
     "_index_put_impl_": lambda x: torch.ops.aten._index_put_impl_(x, (_IDX,), _ones(x, 3, 6), True),
     "aten.index 0-d index": lambda x: torch.ops.aten.index.Tensor(x, [torch.tensor(3)]),
+    # index/index_put without bounds checks (what upsampling's decompositions emit): CUDA takes
+    # their CPU indices through index/index_put; neuron refused them.
+    "_unsafe_index": lambda x: torch.ops.aten._unsafe_index(x, [_IDX]),
+    "_unsafe_index two": lambda x: torch.ops.aten._unsafe_index(x, [_IDX, torch.tensor([5, 1, 0])]),
+    "_unsafe_index_put": lambda x: torch.ops.aten._unsafe_index_put(x, [_IDX], _ones(x, 3, 6) * 3, False),
+    "_unsafe_index_put accumulate": lambda x: torch.ops.aten._unsafe_index_put(x, [_IDX], _ones(x, 3, 6), True),
 }
 
 
@@ -78,6 +84,12 @@ def test_cpu_indices_in_a_compiled_graph_give_cpu_values():
 
     compiled = torch.compile(f, backend="neuron")
     assert_same(compiled(_X.to("neuron"), _IDX, _MASK), f(_X.clone(), _IDX, _MASK))
+
+
+def test_unsafe_index_refuses_a_mask_as_cpu_does():
+    for x, mask_device in ((_X.clone(), "cpu"), (_X.to("neuron"), "cpu"), (_X.to("neuron"), "neuron")):
+        with pytest.raises(RuntimeError, match="^_unsafe_index found unexpected index type Bool$"):
+            torch.ops.aten._unsafe_index(x, [_MASK.to(mask_device)])
 
 
 # -- refused: what CUDA refuses ---------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -152,3 +153,25 @@ def test_every_architecture(arch):
     if row["status"] == "not-buildable":
         pytest.skip(row["reason"])
     assert row["status"] == "pass", f"{row['reason']}\n{row.get('traceback', '')}"
+
+
+def test_a_generate_cpu_cannot_run_is_not_compared_and_not_a_pass():
+    """A failed CPU generate was recorded as ok (and the architecture as passing): nothing was
+    compared."""
+    class CannotGenerate:
+        def generate(self, **kwargs):
+            raise ValueError("this model cannot generate")
+
+    row = {"fallbacks": {}}
+    gen = hf_coverage._check_generate(CannotGenerate(), CannotGenerate(), torch.ones(1, 2, dtype=torch.long),
+                                      torch.ones(1, 2, dtype=torch.long), row)
+    assert gen["ok"] is None and gen["not_compared"].startswith("CPU generate fails: ")
+    ok = {"ok": True, "logits_max_abs_err": 1e-7, "loss_abs_err": 0.0}
+    rows = [{"arch": "a", "status": "generate-not-compared", "reason": gen["not_compared"], "fallbacks": {},
+             "seconds": 1, "forward": ok, "backward": {"ok": True, "worst_rel_err": 1e-6, "worst_param": "w"},
+             "generate": gen}]
+    s = hf_coverage.summarise(rows)
+    assert (s["passed"], s["generate_checked"], s["generate_ok"], s["generate_not_compared"]) == (0, 0, 0, 1)
+    text = hf_coverage.render(rows, "cmd")
+    assert "not compared (CPU cannot)" in text
+    assert "| pass forward + backward + generate | 0 |" in text

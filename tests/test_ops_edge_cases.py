@@ -209,3 +209,67 @@ def test_an_identically_zero_gradient_stays_on_neuron():
     (torch.sgn(x) * 2).sum().backward()
     assert dict(torchneuron.metrics.fallbacks) == before
     same(torch.zeros(3, 4), x.grad)
+
+
+# Eval-mode batch norm saves no statistics: CPU returns save_mean/save_invstd of shape (0,), the
+# meta kernels (which eager planning followed) say (C,); _native_batch_norm_legit_no_training
+# failed to compile at all (its lowering gave (0,) against the meta kernel's (C,)).
+_BN_EVAL = {
+    "native_batch_norm": lambda x, w, b, rm, rv, train: torch.ops.aten.native_batch_norm(x, w, b, rm, rv, train, 0.1, 1e-5),
+    "_native_batch_norm_legit": lambda x, w, b, rm, rv, train: torch.ops.aten._native_batch_norm_legit(
+        x, w, b, rm, rv, train, 0.1, 1e-5),
+    "_native_batch_norm_legit_no_training": lambda x, w, b, rm, rv, train: (
+        torch.ops.aten._native_batch_norm_legit_no_training(x, w, b, rm, rv, 0.1, 1e-5)),
+    "_batch_norm_no_update": lambda x, w, b, rm, rv, train: (
+        torch.ops.aten._batch_norm_no_update(x, w, b, rm, rv, 0.1, 1e-5)),
+}
+
+
+@pytest.mark.parametrize("mode", ["plain", "adaptive"])
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("op", list(_BN_EVAL))
+def test_batch_norm_saved_statistics_have_cpus_shapes(op, train, mode):
+    import torchneuron
+    if train and op.endswith(("no_training", "no_update")):
+        pytest.skip("no training form")
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(2, 3, 4, generator=g), torch.rand(3, generator=g), torch.rand(3, generator=g),
+            torch.rand(3, generator=g), torch.rand(3, generator=g) + 0.5]
+    on = [a.to("neuron") for a in args]
+    expected = _BN_EVAL[op](*args, train)
+    with torchneuron.eager_mode(mode):
+        got = _BN_EVAL[op](*on, train)
+        torch.neuron.synchronize()
+    assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in expected]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(on[3:], args[3:]):   # the running statistics (updated in training only)
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6)
+
+
+def test_adaptive_eager_produces_outputs_without_elements():
+    """A new output without elements has data_ptr() 0: adaptive eager filed it under 0, never gave
+    its storage a buffer, and the next synchronize failed on the pending placeholder."""
+    import torchneuron
+    x, r = torch.ones(2, 3, 4, device=DEV), torch.ones(3, device=DEV)
+    with torchneuron.eager_mode("adaptive"):
+        empty = torch.empty(0, device=DEV) + 1
+        reserve = torch.ops.aten._batch_norm_with_update(x, r, r, r.clone(), r.clone(), 0.1, 1e-5)[3]
+        torch.neuron.synchronize()
+    assert empty.cpu().shape == (0,) and reserve.cpu().shape == (0,)
+
+
+def test_matrix_exp_is_as_accurate_as_cpus_float32():
+    """JAX's Padé expm and ATen's Taylor expm differ elementwise by float32 rounding amplified by
+    scaling and squaring (docs/reliability.md); against the float64 result, normwise, neuron is
+    as close as CPU's float32 kernel."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(5, 5, 5, generator=g) * 3
+    truth = torch.linalg.matrix_exp(a.double())
+    cpu = torch.linalg.matrix_exp(a)
+    got = torch.linalg.matrix_exp(a.to(DEV)).cpu()
+    for i in range(a.shape[0]):
+        scale = truth[i].norm()
+        err_neuron = ((got[i].double() - truth[i]).norm() / scale).item()
+        err_cpu = ((cpu[i].double() - truth[i]).norm() / scale).item()
+        assert err_neuron < max(10 * err_cpu, 1e-5), (i, err_neuron, err_cpu)

@@ -54,6 +54,103 @@ def test_expectations_need_a_class_and_a_reason(tmp_path):
         upstream_results.Expectations(bad)
 
 
+def test_expectations_xfail_needs_a_match_and_skip_a_cause(tmp_path):
+    bad = tmp_path / "e.toml"
+    for body, error in [
+        ('{ class = "known-bug", reason = "issue 1: x" }', "xfail entry gives match"),
+        ('{ class = "known-bug", reason = "issue 1: x", match = "(" }', "not a regular expression"),
+        ('{ class = "known-bug", reason = "issue 1: x", action = "skip" }', "measured cause"),
+        ('{ class = "known-bug", reason = "issue 1: x", action = "skip", cause = "slow" }', "measured cause"),
+        ('{ class = "known-bug", reason = "issue 1: x", match = "y", cause = "timeout" }', "needs action"),
+        ('{ class = "known-bug", reason = "issue 1: x", action = "never" }', "action must be"),
+        ('{ class = "known-bug", reason = "issue 1: x", match = "y", mtach = "z" }', "unknown fields"),
+    ]:
+        bad.write_text(f'["f.py"]\n"TestX.test_a" = {body}\n')
+        with pytest.raises(ValueError, match=error):
+            upstream_results.Expectations(bad)
+
+
+CLASSIFIER_ENTRIES = '''
+["f.py"]
+"T.test_x_*" = { class = "known-bug", reason = "issue 1: wrong sums", match = "Scalars are not equal" }
+"T.test_slow" = { class = "known-bug", reason = "issue 1: compile-bound", action = "skip", cause = "timeout" }
+"T.test_abort" = { class = "known-bug", reason = "issue 1: aborts", action = "skip", cause = "crashed" }
+'''
+
+
+@pytest.fixture
+def classifier_expectations(tmp_path):
+    path = tmp_path / "e.toml"
+    path.write_text(CLASSIFIER_ENTRIES)
+    return upstream_results.Expectations(path)
+
+
+@pytest.mark.parametrize("tid,status,message,category", [
+    # an xfail entry covers only the failure its match finds
+    ("T.test_x_a", "failed", "AssertionError: Scalars are not equal! 2 != 3", "expected"),
+    ("T.test_x_a", "error", "RuntimeError: something else", "mismatch"),
+    ("T.test_x_a", "failed", "", "mismatch"),
+    # a crash or a timeout is never an xfail: only a skip entry with that measured cause
+    ("T.test_x_a", "crashed", "the process died (exit status 134)", "crashed"),
+    ("T.test_x_a", "timeout", "ran past the 180 s per-test limit", "timeout"),
+    ("T.test_slow", "timeout", "ran past the 180 s per-test limit", "expected"),
+    ("T.test_slow", "crashed", "the process died (exit status 134)", "crashed"),
+    ("T.test_abort", "crashed", "the process died (exit status 134)", "expected"),
+    ("T.test_abort", "timeout", "ran past the 180 s per-test limit", "timeout"),
+    ("T.test_abort", "failed", "AssertionError: x", "mismatch"),
+    # no entry
+    ("T.test_other", "crashed", "the process died (exit status 134)", "crashed"),
+    ("T.test_other", "failed", "AssertionError: x", "failed"),
+    # not run: expected under a skip entry; without one it is reported as not run, not "by design"
+    ("T.test_slow", "not-run", "skipped by the expectations file (action = skip)", "expected"),
+    ("T.test_other", "not-run", "skipped by the expectations file (action = skip)", "not-run"),
+    ("T.test_x_a", "not-run", "skipped by the expectations file (action = skip)", "not-run"),
+    ("T.test_x_a", "passed", "", "passed"),
+])
+def test_classify(classifier_expectations, tid, status, message, category):
+    rec = {"id": tid, "status": status, "message": message}
+    assert upstream_report.classify("f.py", rec, classifier_expectations)[0] == category
+
+
+def test_summary_counts_mismatches_crashes_and_unentered_not_run(classifier_expectations):
+    recs = {t: {"id": t, "status": s, "message": m} for t, s, m in [
+        ("T.test_x_a", "failed", "AssertionError: Scalars are not equal!"),
+        ("T.test_x_b", "error", "TypeError: another failure"),
+        ("T.test_x_c", "crashed", "the process died (exit status 134)"),
+        ("T.test_y", "not-run", "skipped by the expectations file (action = skip)"),
+        ("T.test_slow", "not-run", "skipped by the expectations file (action = skip)"),
+    ]}
+    per_file, details, _, _ = upstream_report.summarize({"f.py": recs}, classifier_expectations)
+    c = per_file["f.py"]
+    assert (c["expected"], c["mismatch"], c["crashed"], c["not-run"], c["stale"]) == (2, 1, 1, 1, 0)
+    assert c["expected:not-supported-by-design"] == 0 and c["expected:known-bug"] == 2
+    (_, tid, _, msg), = details["mismatch"]
+    assert tid == "T.test_x_b" and "Scalars are not equal" in msg and "another failure" in msg
+    assert [d[1] for d in details["not-run"]] == ["T.test_y"]
+    assert upstream_report.never_retried({"f.py": recs}, classifier_expectations) == [("f.py", "T.test_slow")]
+
+
+def test_stale_entries_judge_failure_texts_and_retried_skips(classifier_expectations):
+    def stale(recs, complete=None):
+        return [(p, why) for _, p, why in upstream_report.stale_entries(
+            {"f.py": {t: {"id": t, "status": s, "message": m} for t, s, m in recs}},
+            classifier_expectations, complete)]
+    wrong = [("T.test_x_a", "error", "TypeError: other"), ("T.test_x_b", "passed", "")]
+    # a pattern none of whose failures is the one it names is stale (on a complete file)...
+    (pattern, why), = stale(wrong)
+    assert pattern == "T.test_x_*" and "none of the 2 results" in why
+    # ...but not on a sample with fewer than STALE_SAMPLE_MIN of its results
+    assert stale(wrong, complete=set()) == []
+    many = [(f"T.test_x_{i}", "passed", "") for i in range(upstream_report.STALE_SAMPLE_MIN)]
+    assert [p for p, _ in stale(many, complete=set())] == ["T.test_x_*"]
+    assert stale(wrong + [("T.test_x_c", "failed", "AssertionError: Scalars are not equal!")]) == []
+    # a skip entry run again (--retry-skips): stale when it no longer crashes or times out as it says
+    assert stale([("T.test_slow", "not-run", "")]) == []
+    assert stale([("T.test_slow", "timeout", "ran past")]) == []
+    assert [p for p, _ in stale([("T.test_slow", "passed", "")])] == ["T.test_slow"]
+    assert [p for p, _ in stale([("T.test_abort", "timeout", "ran past")])] == ["T.test_abort"]
+
+
 def test_the_project_expectations_file_is_valid():
     e = upstream_results.Expectations(upstream.DEFAULT_EXPECTATIONS)
     for file, entries in e.entries.items():
@@ -150,8 +247,9 @@ def fake_tests(tmp_path):
     exp = tmp_path / "expectations.toml"
     exp.write_text(textwrap.dedent('''
         ["test_fake.py"]
-        "TestFake.test_wrong" = { class = "known-bug", reason = "issue 0: a sum that is wrong on purpose" }
-        "TestFake.test_stale" = { class = "known-bug", reason = "issue 0: passes, so this entry is stale" }
+        "TestFake.test_wrong" = { class = "known-bug", reason = "issue 0: a sum that is wrong on purpose", match = "Scalars are not close" }
+        "TestFake.test_stale" = { class = "known-bug", reason = "issue 0: passes, so this entry is stale", match = "x" }
+        "TestFake.test_crash" = { class = "known-bug", reason = "issue 0: an xfail entry does not cover a crash", match = "died" }
     '''))
     return d, exp
 
@@ -169,6 +267,7 @@ def test_runner_records_crashes_and_timeouts_and_resumes(fake_tests, tmp_path):
                       "TestFake.test_stale": "passed", "TestFake.test_zz_after": "passed"}, r.stderr
     # Crash and timeout fail the run; so does the stale entry; the expected failure does not.
     assert r.returncode == 1
+    # The crash is a crash although an xfail entry names the test.
     assert "CRASHED test_fake.py::TestFake.test_crash" in r.stdout
     assert "TIMEOUT test_fake.py::TestFake.test_hang" in r.stdout
     assert "STALE test_fake.py::TestFake.test_stale" in r.stdout

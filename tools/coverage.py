@@ -239,7 +239,7 @@ def summarise(rows: list[dict]) -> dict:
     decomposed = defaultdict(set)
     reasons = defaultdict(Counter)            # op -> expectation reason counts
     failures = defaultdict(list)
-    cpu_errors = Counter()                    # (op, dtype, check) -> samples CPU itself rejects
+    cpu_errors = Counter()                    # (op, dtype, check) -> samples CPU and neuron both reject
     for r in rows:
         if r["status"] == "cpu_error":
             cpu_errors[(r["op"], r["dtype"], r["check"])] += 1
@@ -311,7 +311,7 @@ def render(rows: list[dict], core: list[dict]) -> str:
             "of the samples OpInfo generates for them; the complete sweep is `pytest -m slow tests/opinfo` "
             "or the commands above without `--limit`)")
         w(f"Scope: {ran} samples run of {total} -- {scope}."
-          + (f" {rejected} further samples are not counted: CPU itself rejects them (an invalid sample is "
+          + (f" {rejected} further samples are not counted: CPU rejects them and so does neuron (an invalid sample is "
              "no test of neuron)." if rejected else "") + "\n")
     w("Every OpInfo sample (PyTorch's `op_db`, `torch.testing._internal.common_methods_invocations`) "
       "runs on CPU and on neuron and the results are compared. **native**: matched with no CPU fallback "

@@ -40,7 +40,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .sweep import REPO, supervise, tool_command
-from .upstream_report import complete_files, misclassified_skew, render, rerun_ids, suggest, summarize
+from .upstream_report import (
+    complete_files,
+    misclassified_skew,
+    never_retried,
+    render,
+    rerun_ids,
+    suggest,
+    summarize,
+)
 from .upstream_results import (
     DEVICE_ENV,
     FAILING,
@@ -68,9 +76,10 @@ CI_SAMPLE_PER_FILE = {"test_ops.py": 6}
 def run_file(file: str, device: str, tests_dir: Path, results_dir: Path, expectations: Expectations,
              timeout: float, sample: int = 0, only: list[str] | None = None, log=print,
              show: bool = False, select: str | None = None, jax_cache: str = "",
-             rerun: bool = False) -> None:
+             rerun: bool = False, skip: list[str] | None = None) -> None:
     """Run one upstream file to completion, restarting the worker after crashes and timeouts.
-    ``rerun``: run the ``only`` tests again although they have results (the new ones count)."""
+    ``rerun``: run the ``only`` tests again although they have results (the new ones count).
+    ``skip``: the patterns not run (default: the expectations' skip entries)."""
     out = results_path(results_dir, device, file)
     out.parent.mkdir(parents=True, exist_ok=True)
     current = Path(str(out) + ".current")
@@ -86,7 +95,7 @@ def run_file(file: str, device: str, tests_dir: Path, results_dir: Path, expecta
         env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"   # the reference run is plain PyTorch
     cmd = [*tool_command("upstream"), "--worker", "--file", file,
            "--device", device, "--tests-dir", str(tests_dir), "--out", str(out),
-           "--skip", json.dumps(expectations.skip_patterns(file)), "--sample", str(sample)]
+           "--skip", json.dumps(expectations.skip_patterns(file) if skip is None else skip), "--sample", str(sample)]
     if only_file:
         cmd += ["--only", str(only_file)]
     if show:
@@ -223,6 +232,10 @@ def main(argv=None) -> int:
                    help="run again the tests with results whose neutral ids match these comma-separated "
                    "fnmatch patterns ('failing': every test whose last result failed, crashed or timed "
                    "out, e.g. after a fix); the new results replace the old")
+    p.add_argument("--retry-skips", action="store_true",
+                   help="run again the tests of the skip entries (recorded as not run) to check that "
+                   "each still crashes or times out as its cause says; one that passes or fails "
+                   "otherwise makes its entry stale")
     p.add_argument("--select", metavar="PATTERNS",
                    help="comma-separated fnmatch patterns of neutral test ids to run")
     p.add_argument("--show", metavar="FILE::TEST",
@@ -296,6 +309,15 @@ def main(argv=None) -> int:
             t0 = time.time()
             log(f"{f}: running on neuron")
             sample = CI_SAMPLE_PER_FILE.get(f, CI_SAMPLE) if args.ci_sample else args.sample
+            if args.retry_skips:
+                recs = load_results(results_dir, "neuron", [f])[f]
+                ids = sorted(t for t, r in recs.items() if r["status"] == "not-run"
+                             and (m := expectations.match(f, t)) and m[1]["action"] == "skip")
+                log(f"{f}: running {len(ids)} skipped tests again")
+                if ids:
+                    run_file(f, "neuron", tests_dir, results_dir, expectations, args.timeout, log=log,
+                             only=ids, jax_cache=jax_cache, rerun=True, skip=[])
+                return
             if args.rerun:
                 ids = rerun_ids(load_results(results_dir, "neuron", [f])[f], args.rerun)
                 log(f"{f}: running {len(ids)} tests again")
@@ -328,14 +350,19 @@ def main(argv=None) -> int:
         total.update(c)
     stale = details.get("stale", [])
     print(f"{total['results']} results: {total['passed']} passed, {total['failed']} failed unexpectedly, "
+          f"{total['mismatch']} failed otherwise than their entry says, "
           f"{total['skipped-upstream']} skipped by PyTorch, {total['expected']} expected, "
-          f"{total['crashed']} crashed, {total['timeout']} timed out, {len(stale)} stale expectations")
-    for cat in ("failed", "crashed", "timeout"):
+          f"{total['crashed']} crashed, {total['timeout']} timed out, {total['not-run']} not run "
+          f"without an entry, {len(stale)} stale expectations")
+    for cat in ("failed", "mismatch", "crashed", "timeout", "not-run"):
         for file, tid, _status, msg in details.get(cat, [])[:50]:
             print(f"  {cat.upper()} {file}::{tid}: {msg[:200]}")
-    for file, pattern, _, _ in stale:
-        print(f"  STALE {file}::{pattern}: every matching test passes; remove the entry")
-    bad = total["failed"] + total["crashed"] + total["timeout"] + len(stale)
+    for file, pattern, _, why in stale:
+        print(f"  STALE {file}::{pattern}: {why}; fix or remove the entry")
+    for file, pattern in never_retried(results, expectations):
+        print(f"  UNCHECKED SKIP {file}::{pattern}: its tests have not run again (--retry-skips)")
+    bad = total["failed"] + total["mismatch"] + total["crashed"] + total["timeout"] + total["not-run"] \
+        + len(stale)
     if args.cpu_check:
         wrong = misclassified_skew(results, load_results(results_dir, "cpu", shown), expectations)
         for file, tid in wrong:

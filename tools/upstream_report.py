@@ -48,20 +48,34 @@ def complete_files(results: dict, totals: dict) -> set:
 
 
 def classify(file: str, rec: dict, expectations: Expectations) -> tuple[str, str | None, str | None]:
-    """(category, reason class, pattern) of one neuron result."""
+    """(category, reason class, pattern) of one neuron result.
+
+    The categories: "passed", "skipped-upstream" (PyTorch's own qualifiers), "expected" (an xfail
+    entry's test failed with the text its ``match`` finds; a skip entry's test did not run, or ran
+    again and crashed or timed out as its ``cause`` says), "mismatch" (an xfail entry's test failed
+    with another text: unexpected), "failed" (no entry), "crashed" and "timeout" (unless a skip
+    entry with that cause), "not-run" (not run and no skip entry covers it)."""
     status = rec["status"]
     match = expectations.match(file, rec["id"])
     pattern, entry = match if match else (None, None)
     if status == "not-run":
-        return "expected", entry["class"] if entry else "not-supported-by-design", pattern
+        if entry and entry["action"] == "skip":
+            return "expected", entry["class"], pattern
+        return "not-run", None, pattern
     if status in ("skipped", "xfailed-upstream"):
         return "skipped-upstream", None, None
     if status == "passed":
         # A pattern may cover passing tests too: stale_entries() judges each entry as a whole.
         return "passed", None, pattern
-    if entry:
+    if status in ("crashed", "timeout"):
+        if entry and entry["action"] == "skip" and entry["cause"] == status:
+            return "expected", entry["class"], pattern
+        return status, None, pattern
+    if entry and entry["action"] == "xfail" and expectations.matches_failure(entry, rec.get("message", "")):
         return "expected", entry["class"], pattern
-    return status if status in ("crashed", "timeout") else "failed", None, None
+    if entry:
+        return "mismatch", None, pattern
+    return "failed", None, None
 
 
 def summarize(results: dict, expectations: Expectations, complete=None):
@@ -88,13 +102,17 @@ def summarize(results: dict, expectations: Expectations, complete=None):
                 fallback_tests.update(rec["fallbacks"])
             if cat == "skipped-upstream":
                 skip_reasons[_skip_reason(rec.get("message", ""))] += 1
-            if cat in ("failed", "crashed", "timeout"):
+            if cat in ("failed", "crashed", "timeout", "not-run"):
                 details[cat].append((file, tid, rec["status"], rec.get("message", "")))
+            if cat == "mismatch":
+                details[cat].append((file, tid, rec["status"], f"not the failure `{pattern}` expects "
+                                     f"(match = {expectations.entry(file, pattern)['match']!r}): "
+                                     + rec.get("message", "")))
         c["stale"] = 0
         per_file[file] = c
-    for file, pattern in stale_entries(results, expectations, complete):
+    for file, pattern, why in stale_entries(results, expectations, complete):
         per_file[file]["stale"] += 1
-        details["stale"].append((file, pattern, "passed", "every test this entry matches passes"))
+        details["stale"].append((file, pattern, "stale", why))
     return per_file, details, skip_reasons, fallback_tests
 
 
@@ -103,31 +121,65 @@ def _skip_reason(message: str) -> str:
     return re.sub(r"\s+", " ", message)[:120] or "(no reason given)"
 
 
-def stale_entries(results: dict, expectations: Expectations, complete=None) -> list[tuple[str, str]]:
-    """Entries whose matching tests all passed. A pattern is judged only on a file run completely
-    (``complete``: those files; None: all), since a sample may hold only its passing tests."""
-    seen = defaultdict(lambda: [0, 0])   # (file, pattern) -> [matched, passed]
+# A pattern is judged on a sample (not the complete file) only when it matched at least this many
+# results there: a sample may hold only a pattern's passing tests.
+STALE_SAMPLE_MIN = 20
+
+
+def stale_entries(results: dict, expectations: Expectations, complete=None) -> list[tuple[str, str, str]]:
+    """(file, pattern, why) of the entries none of whose results that ran is expected: every
+    matching test passed, or failed otherwise than the entry says (an xfail entry's ``match``, a
+    skip entry's ``cause`` when ``--retry-skips`` ran it again). An exact entry is judged on any
+    result; a pattern on a file run completely (``complete``: those files; None: all), or on a
+    sample where it matched at least ``STALE_SAMPLE_MIN`` results. Skip entries none of whose
+    tests ran again are not judged (``never_retried``)."""
+    seen = defaultdict(Counter)   # (file, pattern) -> counts of the categories of its results
     for file, recs in results.items():
-        exact_only = complete is not None and file not in complete
         for rec in recs.values():
-            m = expectations.match(file, rec["id"])
-            if m and exact_only and m[0] != rec["id"]:
+            if rec.get("id") == "<collection>":
                 continue
-            if m and rec["status"] != "not-run":
-                s = seen[(file, m[0])]
-                s[0] += 1
-                s[1] += rec["status"] == "passed"
-    return sorted(k for k, (matched, passed) in seen.items() if matched and matched == passed)
+            cat, _, pattern = classify(file, rec, expectations)
+            if pattern is None or rec["status"] in ("not-run", "skipped", "xfailed-upstream"):
+                continue
+            seen[(file, pattern)][cat] += 1
+    stale = []
+    for (file, pattern), cats in sorted(seen.items()):
+        n = sum(cats.values())
+        is_pattern = any(ch in pattern for ch in "*?[")
+        if cats["expected"] or (is_pattern and complete is not None and file not in complete
+                                and n < STALE_SAMPLE_MIN):
+            continue
+        if cats["passed"] == n:
+            why = f"every test this entry matches passes ({n})"
+        else:
+            why = (f"none of the {n} results it matches failed as the entry says ("
+                   + ", ".join(f"{k} {v}" for k, v in sorted(cats.items())) + ")")
+        stale.append((file, pattern, why))
+    return stale
+
+
+def never_retried(results: dict, expectations: Expectations) -> list[tuple[str, str]]:
+    """Skip entries with tests in the results none of which ran again (``--retry-skips``)."""
+    ran, skipped = set(), set()
+    for file, recs in results.items():
+        for tid, rec in recs.items():
+            m = expectations.match(file, tid)
+            if m and m[1]["action"] == "skip":
+                (skipped if rec["status"] == "not-run" else ran).add((file, m[0]))
+    return sorted(skipped - ran)
 
 
 COLUMNS = [("results", "results"), ("passed", "passed"), ("failed", "failed (unexpected)"),
            ("skipped-upstream", "skipped by PyTorch's own qualifiers"),
            ("expected:not-supported-by-design", "expected: not supported by design"),
            ("expected:missing-lowering", "expected: missing lowering"),
+           ("expected:missing-feature", "expected: missing feature"),
            ("expected:known-bug", "expected: known bug"),
            ("expected:test-assumes-cuda", "expected: test assumes CUDA"),
            ("expected:version-skew", "version skew"),
-           ("crashed", "crashed"), ("timeout", "timed out"), ("stale", "stale expectations")]
+           ("mismatch", "failed otherwise than its entry says"),
+           ("crashed", "crashed"), ("timeout", "timed out"), ("not-run", "not run, no entry"),
+           ("stale", "stale expectations")]
 
 
 def render(results: dict, expectations: Expectations, sources: dict, meta: dict,
@@ -157,10 +209,13 @@ def render(results: dict, expectations: Expectations, sources: dict, meta: dict,
         f"- **{total['results']:,} results**: {total['passed']:,} passed "
         f"({total['passed-with-fallback']:,} of them used the CPU fallback for some op), "
         f"**{total['failed']:,} failed outside the expectations file**, "
+        f"**{total['mismatch']:,} failed otherwise than their entry's `match` says**, "
         f"{total['skipped-upstream']:,} skipped by PyTorch's own qualifiers (CUDA-only, CPU-only, "
         f"native-device-only, dtype lists...), {total['expected']:,} expected failures or skips "
         f"with a reason in `tests/upstream/expectations.toml`, {total['crashed']:,} crashed, "
-        f"{total['timeout']:,} timed out, {total['stale']:,} stale expectations.",
+        f"{total['timeout']:,} timed out (a crash or a timeout is expected only under a `skip` "
+        f"entry with that `cause`), {total['not-run']:,} not run without an entry, "
+        f"{total['stale']:,} stale expectations.",
     ]
     for key, label in REASON_CLASSES.items():
         lines.append(f"  - {label}: {total['expected:' + key]:,}")
@@ -199,13 +254,14 @@ def render(results: dict, expectations: Expectations, sources: dict, meta: dict,
         if not entries:
             continue
         lines += [f"### {label}", "", "| file | test or pattern | tests | reason |", "|---|---|---|---|"]
-        # Tests that never ran and match no entry are counted under the design class, pattern None.
         for (file, pattern), n in sorted(entries.items(), key=lambda item: (item[0][0], item[0][1] or "")):
-            entry = dict(expectations.entries[file])[pattern] if pattern else {"reason": "?"}
+            entry = expectations.entry(file, pattern)
             lines.append(f"| {file} | `{pattern}` | {n} | {entry['reason']} |")
         lines.append("")
-    for cat, title in (("failed", "Failing outside the expectations file"), ("crashed", "Crashed"),
-                       ("timeout", "Timed out"), ("stale", "Stale expectations (now passing)")):
+    for cat, title in (("failed", "Failing outside the expectations file"),
+                       ("mismatch", "Failing otherwise than their entry says"), ("crashed", "Crashed"),
+                       ("timeout", "Timed out"), ("not-run", "Not run, with no entry"),
+                       ("stale", "Stale expectations")):
         if details.get(cat):
             lines += [f"## {title}", "", "| file | test | message |", "|---|---|---|"]
             for file, tid, _status, msg in details[cat][:300]:
@@ -292,7 +348,12 @@ def suggest(results, expectations, skew) -> str:
                 cls, reason = "version-skew", "fails on CPU too: " + r.get("message", "")[:120].replace('"', "'")
             else:
                 cls, reason = guess(t, r.get("message", ""))
-            out.append(f'"{t}" = {{ class = "{cls}", reason = "{reason}" }}')
+            if r["status"] in ("crashed", "timeout"):
+                tail = f'action = "skip", cause = "{r["status"]}"'
+            else:   # a first guess at the failure's text: the exception's name and its first words
+                words = re.escape(r.get("message", "")[:60]).replace("\\", "\\\\").replace('"', '\\"')
+                tail = f'match = "{words}"'
+            out.append(f'"{t}" = {{ class = "{cls}", reason = "{reason}", {tail} }}')
     return "\n".join(out)
 
 

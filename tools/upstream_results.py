@@ -38,10 +38,13 @@ REASON_CLASSES = {
     "not-supported-by-design": "not supported by design (sparse, nested, forward AD, quantized, "
                                "float64/complex128 run in 32 bits...)",
     "missing-lowering": "missing lowering",
+    "missing-feature": "missing feature (an API or class the device does not provide yet)",
     "known-bug": "known bug (with its issue)",
     "test-assumes-cuda": "test assumes CUDA (or a native in-tree device)",
     "version-skew": "version skew: fails on CPU with the same files and the pinned torch",
 }
+ACTIONS = ("xfail", "skip")
+SKIP_CAUSES = ("crashed", "timeout")   # the recorded statuses a skip entry may stand for
 DEVICE_ENV = {"neuron": "privateuse1", "cpu": "cpu"}
 # instantiate_device_type_tests names a class after PrivateUse1TestBase.device_type, which its
 # setUpClass renames from "privateuse1" to "neuron": later files' classes end in NEURON.
@@ -84,7 +87,13 @@ def sample_ids(file: str, ids, n: int) -> set:
 # -- expectations -----------------------------------------------------------------------------------
 class Expectations:
     """``[file]`` tables mapping a neutral test id or fnmatch pattern to
-    ``{ class = "...", reason = "...", action = "xfail" | "skip" }``."""
+    ``{ class = "...", reason = "...", action = "xfail" | "skip", match = "...", cause = "..." }``.
+
+    An ``xfail`` entry (the default) runs its tests and expects each to fail with a failure text
+    that ``match`` (a regular expression, searched in the recorded message) finds; a failure with
+    another text is unexpected, and so is a crash or a timeout. A ``skip`` entry does not run its
+    tests (they hang or kill the process); its ``cause`` ("crashed" or "timeout") is what was
+    measured, and ``--retry-skips`` runs them again to check it still holds."""
 
     def __init__(self, path: Path | None):
         self.path = path
@@ -93,14 +102,43 @@ class Expectations:
             data = tomllib.loads(path.read_text())
             for file, table in data.items():
                 for pattern, entry in table.items():
-                    if entry.get("class") not in REASON_CLASSES:
-                        raise ValueError(f"{path}: [{file}] {pattern!r}: class must be one of "
-                                         f"{sorted(REASON_CLASSES)}, got {entry.get('class')!r}")
-                    if not entry.get("reason"):
-                        raise ValueError(f"{path}: [{file}] {pattern!r} has no reason")
-                    if entry.get("class") == "known-bug" and not re.search(r"issue \d+", entry["reason"]):
-                        raise ValueError(f"{path}: [{file}] {pattern!r}: a known bug names its issue")
-                    self.entries[file].append((pattern, entry))
+                    self.entries[file].append((pattern, self._checked(path, file, pattern, entry)))
+
+    @staticmethod
+    def _checked(path, file: str, pattern: str, entry: dict) -> dict:
+        where = f"{path}: [{file}] {pattern!r}"
+        if entry.get("class") not in REASON_CLASSES:
+            raise ValueError(f"{where}: class must be one of "
+                             f"{sorted(REASON_CLASSES)}, got {entry.get('class')!r}")
+        if not entry.get("reason"):
+            raise ValueError(f"{where} has no reason")
+        if entry.get("class") == "known-bug" and not re.search(r"issue \d+", entry["reason"]):
+            raise ValueError(f"{where}: a known bug names its issue")
+        action = entry.get("action", "xfail")
+        if action not in ACTIONS:
+            raise ValueError(f"{where}: action must be one of {ACTIONS}, got {action!r}")
+        unknown = set(entry) - {"class", "reason", "action", "match", "cause"}
+        if unknown:
+            raise ValueError(f"{where}: unknown fields {sorted(unknown)}")
+        if action == "skip":
+            if entry.get("cause") not in SKIP_CAUSES:
+                raise ValueError(f"{where}: a skip entry gives the measured cause, "
+                                 f"cause = one of {SKIP_CAUSES}, got {entry.get('cause')!r}")
+            if "match" in entry:
+                raise ValueError(f"{where}: a skip entry has a cause, not a match")
+        else:
+            if "cause" in entry:
+                raise ValueError(f"{where}: an xfail entry has a match, not a cause "
+                                 "(a crash or a timeout needs action = \"skip\")")
+            if not entry.get("match"):
+                raise ValueError(f"{where}: an xfail entry gives match = a regular expression "
+                                 "found in the failure's recorded text")
+            else:
+                try:
+                    re.compile(entry["match"])
+                except re.error as e:
+                    raise ValueError(f"{where}: match is not a regular expression: {e}") from None
+        return dict(entry, action=action)
 
     def match(self, file: str, test: str) -> tuple[str, dict] | None:
         exact = None
@@ -111,8 +149,16 @@ class Expectations:
                 exact = (pattern, entry)
         return exact
 
+    def entry(self, file: str, pattern: str) -> dict:
+        return dict(self.entries[file])[pattern]
+
     def skip_patterns(self, file: str) -> list[str]:
-        return [p for p, e in self.entries.get(file, ()) if e.get("action") == "skip"]
+        return [p for p, e in self.entries.get(file, ()) if e["action"] == "skip"]
+
+    @staticmethod
+    def matches_failure(entry: dict, message: str) -> bool:
+        """Whether an xfail entry's ``match`` finds the failure text."""
+        return re.search(entry["match"], message or "") is not None
 
 
 def records(path: Path):

@@ -8,7 +8,8 @@ run there, copied to neuron and run again; the two results are compared. A sampl
 * ``fallback`` -- matched, but some ATen op ran on CPU (the ops are recorded);
 * ``expected`` -- failed, and an entry of ``expectations.EXPECTATIONS`` says why;
 * ``fail``     -- ran and mismatched, or raised where CPU did not: never silently skipped;
-* ``cpu_error``-- the sample is not valid on CPU either (not counted).
+* ``cpu_error``-- the sample is not valid on CPU, and neuron rejects it too (not counted); one that
+  CPU rejects and neuron runs is a ``fail`` (error parity).
 
 Random ops cannot match CPU values: they are checked by shape, dtype, range and reproducibility
 under ``torch.manual_seed`` (see ``RANDOM`` and ``RANDOM_WHEN``). Ops that return uninitialised memory (``empty*``) are
@@ -456,8 +457,8 @@ def run_forward(op, sample, dtype) -> tuple[str, str, tuple]:
         try:
             expected = _seeded(lambda: op(sample.input, *sample.args, **sample.kwargs), 0)
             expected = sample.output_process_fn_grad(expected)
-        except Exception as err:  # the sample is not valid on CPU either
-            return "cpu_error", _error(err), ()
+        except Exception as err:  # the sample is not valid on CPU: neuron must reject it too
+            return _error_parity(op, sample, name, err)
         inp, args, kwargs = _move(sample, name=name)
         with _FallbackWatch() as watch, _default_device(sample):
             try:
@@ -484,6 +485,26 @@ def run_forward(op, sample, dtype) -> tuple[str, str, tuple]:
 
 
 _HALF = (torch.bfloat16, torch.float16)
+
+
+def _error_parity(op, sample, name, cpu_err) -> tuple[str, str, tuple]:
+    """A sample CPU rejects: ``cpu_error`` (not counted) when neuron rejects it too, whatever its
+    error; ``fail`` when neuron runs it (a silent acceptance of an invalid call). Random ops and ops
+    returning uninitialised memory included: what they reject does not depend on values."""
+    with _quiet():
+        try:
+            inp, args, kwargs = _move(sample, name=name)
+        except Exception:   # noqa: BLE001 - the sample cannot be moved: nothing to compare
+            return "cpu_error", _error(cpu_err), ()
+        with _FallbackWatch() as watch, _default_device(sample):
+            try:
+                out = _seeded(lambda: sample.output_process_fn_grad(op(inp, *args, **kwargs)), 0)
+                tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, out)   # device checks
+                if DEVICE == "neuron":
+                    torch.neuron.synchronize()
+            except Exception:   # noqa: BLE001 - rejected as on CPU: parity
+                return "cpu_error", _error(cpu_err), ()
+    return "fail", f"CPU rejects the sample ({_error(cpu_err)}) but neuron ran it", watch_ops(watch)
 
 
 def _closer_to_float64(op, sample, actual, expected) -> bool:

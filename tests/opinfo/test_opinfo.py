@@ -89,3 +89,22 @@ def test_wrong_answer_is_a_failure():
     assert harness.compare(a[:2], torch.ones(3)) is not None                     # shape
     assert harness.compare((a, a), (torch.ones(3), torch.zeros(3))) is not None  # any output
     assert harness.compare(a.bool(), torch.tensor([True, False, True])) is not None
+
+
+def test_a_sample_cpu_rejects_must_be_rejected_on_neuron_too():
+    """Error parity: a sample CPU rejects was not counted whatever neuron did with it."""
+    from torch.testing._internal.opinfo.core import SampleInput
+
+    def only_neuron_runs(x):
+        if x.device.type == "cpu":
+            raise RuntimeError("invalid on CPU")
+        return x + 1
+
+    def nobody_runs(x):
+        raise RuntimeError("invalid everywhere")
+
+    sample = SampleInput(torch.ones(3))
+    status, detail, _ = harness._error_parity(only_neuron_runs, sample, "fake", RuntimeError("invalid on CPU"))
+    assert status == "fail" and "CPU rejects the sample" in detail and "neuron ran it" in detail
+    status, _, _ = harness._error_parity(nobody_runs, sample, "fake", RuntimeError("invalid everywhere"))
+    assert status == "cpu_error"

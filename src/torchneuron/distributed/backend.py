@@ -23,6 +23,7 @@ import datetime
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -84,11 +85,12 @@ class _Completion:
     case: no thread hand-off), or gloo's thread when someone asked for the future (DDP's reducer).
     """
 
-    __slots__ = ("work", "complete", "lock", "done", "value", "error", "_future")
+    __slots__ = ("work", "complete", "name", "lock", "done", "value", "error", "_future")
 
-    def __init__(self, work, complete: Callable[[BaseException | None], object]):
+    def __init__(self, work, complete: Callable[[BaseException | None], object], name: str = "collective"):
         self.work = work
         self.complete = complete
+        self.name = name
         self.lock = threading.Lock()
         self.done = False
         self.value = None
@@ -118,8 +120,8 @@ class _Completion:
     def poll(self) -> bool:
         if not self.done and self.work.is_completed():
             try:
-                self.finish()
-            except Exception:
+                self.wait()   # a completed work returns at once, or raises its error for finish()
+            except Exception:  # noqa: BLE001 - kept in self.error for exception() and wait()
                 pass
         return self.done
 
@@ -159,8 +161,10 @@ class NeuronWork(dist.Work):
         self._completions = list(completions)
         self._future: torch.futures.Future | None = None
         self._source_rank_fn = source_rank
+        self._observed = False   # whether wait(), exception(), the future... can report an error
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._observed = True
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
         if seconds and seconds > 0 and not self.is_completed():
             finished = threading.Event()
@@ -175,6 +179,7 @@ class NeuronWork(dist.Work):
         return True
 
     def get_future(self) -> torch.futures.Future:
+        self._observed = True
         if self._future is None:
             futures = [c.future() for c in self._completions]
             if len(futures) == 1:
@@ -188,9 +193,11 @@ class NeuronWork(dist.Work):
         return all(c.poll() for c in self._completions)
 
     def is_success(self) -> bool:
+        self._observed = True
         return self.is_completed() and all(c.error is None for c in self._completions)
 
     def exception(self):
+        self._observed = True
         if not self.is_completed():
             return None
         return next((c.error for c in self._completions if c.error is not None), None)
@@ -212,16 +219,40 @@ class NeuronWork(dist.Work):
 
     def __del__(self):
         # Dropped before anyone waited: finish on gloo's thread, so results still land in the
-        # outputs, as they would on CUDA.
+        # outputs, as they would on CUDA. A failure nobody can observe any more is not swallowed:
+        # it is warned about, naming the collective (NCCL's watchdog reports the failures of works
+        # nobody waits on, and tears the process down by default; gloo keeps them in the work).
+        if getattr(self, "_observed", True):
+            return
         for c in getattr(self, "_completions", ()):
-            if not c.done:
-                try:
-                    c.future()
-                except Exception:
-                    pass
+            if c.done:
+                _warn_unobserved(c)
+                continue
+            try:
+                c.future().add_done_callback(lambda _fut, c=c: _warn_unobserved(c))
+            except Exception as err:  # noqa: BLE001 - reported, not raised from a finaliser
+                c.error = c.error or err
+                _warn_unobserved(c)
+
+
+def _warn_unobserved(c: _Completion) -> None:
+    """The warning for a failed collective whose work was dropped before wait() (see __del__)."""
+    if c.error is None:
+        return
+    message = str(c.error).splitlines()[0] if str(c.error) else type(c.error).__name__
+    warnings.warn(f"torchneuron: {c.name} failed, and its Work was dropped without wait(), so nothing "
+                  f"else reports it: {message}. Call wait() on the work a collective returns (or "
+                  "pass async_op=False) to get the error where it happens.", CollectiveWarning,
+                  stacklevel=2)
+
+
+class CollectiveWarning(RuntimeWarning):
+    """A collective failed where nobody waits for it (its Work was dropped)."""
 
 
 def _combined_work(works: Sequence[NeuronWork]) -> NeuronWork:
+    for w in works:
+        w._observed = True   # the combined work reports their completions' errors
     return NeuronWork([c for w in works for c in w._completions])
 
 
@@ -317,7 +348,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                 metrics.collective_seconds += time.perf_counter() - started
             return value
 
-        result = NeuronWork([_Completion(work, complete)],
+        result = NeuronWork([_Completion(work, complete, name)],
                             source_rank=work._source_rank if source_rank else None)
         if self._coalesced is not None:
             self._coalesced.append(result)

@@ -47,7 +47,11 @@ def _device_indices(self, indices):
     the integer positions they select (PyTorch semantics). As on CUDA, index tensors and masks may
     live on the CPU: a CPU mask is read where it is (no device round trip), a CPU index moves."""
     out = []
+    dim = 0    # the first of self's dimensions the next index applies to
     for idx in indices:
+        if idx is not None and idx.dtype in (torch.bool, torch.uint8):
+            _check_mask_shape(self, idx, dim)
+        dim += 1 if idx is None or idx.dtype not in (torch.bool, torch.uint8) else idx.dim()
         if idx is not None and idx.dtype == torch.uint8:
             warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool "
                           "instead.", UserWarning, stacklevel=3)   # ATen's warning
@@ -67,6 +71,14 @@ def _device_indices(self, indices):
     return out
 
 
+def _check_mask_shape(self, mask, dim):
+    """ATen's check (expandTensors): a mask's sizes are those of the dimensions it indexes."""
+    for j, n in enumerate(mask.shape):
+        if dim + j < self.dim() and n != self.shape[dim + j]:
+            raise IndexError(f"The shape of the mask {list(mask.shape)} at index {j} does not match the "
+                             f"shape of the indexed tensor {list(self.shape)} at index {dim + j}")
+
+
 def _needs_host_work(indices) -> bool:
     """Masks (data-dependent shapes) or index tensors that are not on the device."""
     return any(i is not None and (i.dtype in (torch.bool, torch.uint8) or i.device.type != "neuron")
@@ -74,7 +86,11 @@ def _needs_host_work(indices) -> bool:
 
 
 def make_index(kernel):
+    unsafe = getattr(kernel, "name", "").startswith("aten::_unsafe_index")
+
     def index(self, indices):
+        if unsafe and any(i is not None and i.dtype == torch.bool for i in indices):
+            raise RuntimeError("_unsafe_index found unexpected index type Bool")   # ATen's check
         if _needs_host_work(indices):
             indices = _device_indices(self, indices)
         return kernel(self, indices)
@@ -91,6 +107,7 @@ def make_index_put(kernel, masked_fill_kernel):
             # x[mask] = scalar-like: a select, no host round trip.
             if (len(masks) == 1 and indices[0] is not None and not accumulate and values.numel() == 1
                     and masks[0].dtype == torch.bool and masks[0].dim() <= self.dim()):
+                _check_mask_shape(self, masks[0], 0)
                 mask = _to_device(masks[0], self.device)
                 mask = mask.reshape(tuple(mask.shape) + (1,) * (self.dim() - mask.dim()))
                 return masked_fill_kernel(self, mask, values.reshape(()))

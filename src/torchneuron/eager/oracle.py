@@ -9,6 +9,9 @@ judge (it writes a tensor that overlaps itself or another argument), :func:`cpu_
 on CPU: every neuron storage becomes a zero-filled CPU storage of the same size, every tensor the
 same view of it (dtype, sizes, strides, offset: the same aliasing), and whatever CPU raises is
 the error the user gets. This runs once per cache entry at most, never on the hot path.
+Where the replay gives no verdict (its storages would pass ``REPLAY_LIMIT_BYTES``, or the op is
+linear algebra, which is not replayed), ATen's own overlap rules decide from the views' strides and
+spans (:func:`overlap_error`: internal overlap, partial and full overlap, as MemoryOverlap.cpp).
 """
 
 from __future__ import annotations
@@ -127,12 +130,102 @@ def may_overlap(mutated, others) -> bool:
 def check_overlaps(sig, values, describe) -> None:
     """CPU's "unsupported operation" error if a tensor the op ``sig`` writes (values in schema
     order) overlaps itself or another argument. CPU decides what it accepts: ``x.add_(x)`` yes,
-    ``i.index_fill_(0, i, 0)`` and ``x[:-1].copy_(x[1:])`` no."""
+    ``i.index_fill_(0, i, 0)`` and ``x[:-1].copy_(x[1:])`` no. Where CPU gives no verdict (a
+    replay too large to make, an op not replayed: linear algebra), ATen's rules decide from the
+    views' strides and spans (:func:`overlap_error`)."""
     mutated = [t for _, _, t in sig.mutated_tensors(values)]
-    if mutated and may_overlap(mutated, sig.other_tensors(values)):
+    others = sig.other_tensors(values)
+    if not mutated or not may_overlap(mutated, others):
+        return
+    if replays(sig.overload) and not too_large(values):
         err = cpu_error(sig.overload, values, sig.kwarg_only, sig.arg_names)
-        if err is not None and str(err.args[0] if err.args else err).startswith(OVERLAP):
-            raise as_cpu_error(err, sig.name, describe(values))
+    else:
+        err = overlap_error(sig.overload, mutated, others)
+    if err is not None and str(err.args[0] if err.args else err).startswith(OVERLAP):
+        raise as_cpu_error(err, sig.name, describe(values))
+
+
+# -- ATen's memory-overlap rules (aten/src/ATen/MemoryOverlap.cpp), from strides and spans -----------
+NO, YES, TOO_HARD = 0, 1, 2          # MemOverlap: has_internal_overlap's answer
+FULL, PARTIAL = "full", "partial"    # MemOverlapStatus besides NO and TOO_HARD
+
+INTERNAL_OVERLAP = ("unsupported operation: more than one element of the written-to tensor refers to "
+                    "a single memory location. Please clone() the tensor before performing the "
+                    "operation.")
+PARTIAL_OVERLAP = ("unsupported operation: some elements of the input tensor and the written-to tensor "
+                   "refer to a single memory location. Please clone() the tensor before performing "
+                   "the operation.")
+
+# Ops whose CPU kernels refuse any overlap (the very same view too) between the written tensor and
+# their index or source (assert_no_overlap); TensorIterator ops accept the very same view.
+_NO_OVERLAP_OPS = ("index_fill", "index_copy", "index_add", "index_reduce", "index_put", "_index_put_impl",
+                   "scatter", "scatter_add", "scatter_reduce", "put", "masked_scatter", "masked_fill",
+                   "gather", "index_select", "take", "take_along_dim")
+# Ops that do not check their written tensor at all (TensorIteratorConfig.set_check_mem_overlap(false)).
+_UNCHECKED_OPS = ("fill", "zero", "set", "resize", "resize_as", "detach", "as_strided", "squeeze",
+                  "unsqueeze", "transpose", "t", "swapdims", "swapaxes", "normal", "uniform", "bernoulli",
+                  "random", "exponential", "geometric", "log_normal", "cauchy")
+
+
+def has_internal_overlap(t: torch.Tensor) -> int:
+    """ATen's has_internal_overlap: NO for a non-overlapping dense view, YES where a dimension of
+    more than one element has stride 0, TOO_HARD otherwise (ATen then lets the write through)."""
+    if _non_overlapping_and_dense(t):
+        return NO
+    if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+        return YES
+    return TOO_HARD
+
+
+def _non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """ATen's is_non_overlapping_and_dense: some permutation of the view is contiguous."""
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1)
+    expected = 1
+    for st, n in dims:
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
+def overlap_status(a: torch.Tensor, b: torch.Tensor):
+    """ATen's get_overlap_status: FULL (the same bytes with the same strides), PARTIAL (their
+    spans meet otherwise), NO, or TOO_HARD (either view is not non-overlapping and dense)."""
+    if a is b:
+        return FULL
+    if a.numel() == 0 or b.numel() == 0:
+        return NO
+    if not (_non_overlapping_and_dense(a) and _non_overlapping_and_dense(b)):
+        return TOO_HARD
+    if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return NO
+    a_start, a_end = _span(a)
+    b_start, b_end = _span(b)
+    if a_start == b_start and a_end == b_end:
+        return FULL if a.stride() == b.stride() else PARTIAL
+    return PARTIAL if a_start < b_end and b_start < a_end else NO
+
+
+def overlap_error(overload, mutated, others) -> RuntimeError | None:
+    """What ATen's overlap assertions raise for an op writing ``mutated`` and reading ``others``,
+    decided from the views alone: assert_no_internal_overlap on each written tensor, then
+    assert_no_partial_overlap (TensorIterator ops) or assert_no_overlap (index ops) against each
+    other argument. Linear algebra kernels compute into temporaries and copy the result out: only
+    the internal overlap of a written tensor fails there."""
+    base = overload.name().split("::", 1)[-1].split(".", 1)[0].rstrip("_")
+    if base in _UNCHECKED_OPS:
+        return None
+    for t in mutated:
+        if t.numel() > 1 and has_internal_overlap(t) == YES:
+            return RuntimeError(INTERNAL_OVERLAP)
+    if not replays(overload):
+        return None
+    refused = (FULL, PARTIAL) if base in _NO_OVERLAP_OPS else (PARTIAL,)
+    for t in mutated:
+        for other in others:
+            if overlap_status(t, other) in refused:
+                return RuntimeError(PARTIAL_OVERLAP)
+    return None
 
 
 def shares_storage(mutated, others) -> bool:

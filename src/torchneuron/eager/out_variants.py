@@ -45,6 +45,11 @@ class OutKernel:
         check_out_devices(outs, results[0].device)
         key = (tuple(o.dtype for o in outs), tuple(v.dtype for v in results))
         checked = key in self.checked
+        if _shares_storage(outs, args, kwargs):
+            # Whether an out= tensor may overlap an input is a fact of this call's views, not of
+            # the dtypes: checked on every such call (CPU's replay, or ATen's rules past its limit).
+            values = self.signature.bind(args, dict(kwargs, **dict(zip(self.out_names, outs))))
+            oracle.check_overlaps(self.signature, values, describe_args)
         if not checked:
             values = self.signature.bind(args, dict(kwargs, **dict(zip(self.out_names, outs))))
             err = oracle.cpu_error(self.overload, values, self.signature.kwarg_only, self.signature.arg_names)
@@ -94,3 +99,18 @@ def write_out(out: torch.Tensor, value: torch.Tensor, op_name: str, cast_checked
 def _swap_storage(dst: torch.Tensor, src: torch.Tensor) -> None:
     torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
         _CPU, dst, src.untyped_storage(), src.storage_offset(), src.shape, src.stride())
+
+
+def _shares_storage(outs, args, kwargs) -> bool:
+    """Whether an out= tensor shares its storage with a tensor argument (list elements included)."""
+    ptrs = {o.untyped_storage().data_ptr() for o in outs if isinstance(o, torch.Tensor)}
+
+    def tensors(v):
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, list | tuple):
+            for x in v:
+                yield from tensors(x)
+
+    return any(t.untyped_storage().data_ptr() in ptrs
+               for v in (*args, *kwargs.values()) for t in tensors(v))

@@ -40,6 +40,7 @@ class Planning:
             if isinstance(index, torch.Tensor) and index.device.type == "cpu":   # a 0-dim one
                 raise self.device_error(values, index, ctx.device_index)
         meta_out = self._run_meta(values)
+        self._check_indices(values)
         # Then what CPU checks as it builds the op (the written tensors: devices, casting, overlaps),
         # then the kernel's dtypes: x[:-1] <<= x[1:] on floats is an overlap error first.
         mutated = self.mutated_tensors(values)
@@ -76,6 +77,28 @@ class Planning:
         exe.single = (not writes and len(out_specs) == 1 and out_specs[0] is not None
                       and not self.returns_list and self.return_sources == [None])
         return exe
+
+    def _check_indices(self, values):
+        """CPU's error for index tensors the meta kernels let through: a floating-point or complex
+        index (CPU: "tensors used as indices must be long, int, byte or bool tensors", an IndexError
+        for index/index_put, each op's own message for index_fill, put, gather...), and a boolean
+        mask whose shape is not the indexed dimensions'. Plain eager met them when the executable
+        failed to compile (and replayed the call on CPU then); adaptive eager compiles later,
+        without the call's values: it raised a compile error, or ran the mask."""
+        for name, v in zip(self.arg_names, values):
+            if name not in ("index", "indices"):
+                continue
+            for t in (v if isinstance(v, list | tuple) else (v,)):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                wrong = t.is_floating_point() or t.is_complex()
+                if wrong or (isinstance(v, list | tuple) and t.dtype in (torch.bool, torch.uint8)):
+                    err = self._cpu_error(values)
+                    if err is not None:
+                        raise err
+                    if wrong and isinstance(v, list | tuple):   # no CPU verdict (too large): its rule
+                        raise IndexError("tensors used as indices must be long, int, byte or bool "
+                                         f"tensors\n[torchneuron] in {self.name}{describe_args(values)}")
 
     def _input_positions(self, specs):
         """(argument index, position in its list) -> (read position, view spec) of each input that
@@ -246,6 +269,8 @@ class Planning:
 
         out = jax.eval_shape(run, *[spec_args[i] for i in traced])
         outs = out if isinstance(out, list | tuple) else (out,)
+        if self.mutated:   # a lowering returns the mutated arguments first: not the op's outputs
+            outs = outs[len(self.mutated_tensors(values)):]
         # None: an output the op leaves undefined (a bias gradient without a bias)
         metas = [None if o is None else torch.empty(o.shape, dtype=torch_dtype(o.dtype), device="meta")
                  for o in outs]

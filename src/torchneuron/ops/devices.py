@@ -5,7 +5,9 @@ as scalar operands. Index tensors are a case users meet when they migrate (``x[i
 left on the CPU). What CUDA does, per op (ATen's sources and PyTorch's tests):
 
 * accepted, moved to the device by the op: the ``indices`` of ``index`` (``x[idx]``), ``index_put``,
-  ``index_put_`` and ``_index_put_impl_`` (``x[idx] = v``), masks included -- ``index``'s meta
+  ``index_put_`` and ``_index_put_impl_`` (``x[idx] = v``), masks included, and ``_unsafe_index``
+  and ``_unsafe_index_put`` (index and index_put without bounds checks, which ATen implements
+  through them: what decompositions of upsampling emit) -- ``index``'s meta
   function allows "indices ... either on cpu or on the same device as the indexed tensor", and
   ``make_info``/``computeLinearIndex`` move them (test_indexing.py ``test_cpu_indices``,
   ``test_index_put_src_datatype``). The value of ``index_put_`` may be on the CPU only when 0-dim
@@ -46,7 +48,7 @@ DEVICE_INDEX = {
 }
 
 # The ops that take index tensors (and masks) on the CPU, for the refusal's hint.
-HOST_INDEX_OPS = "x[idx], x[idx] = v, index_put_ and index_put"
+HOST_INDEX_OPS = "x[idx], x[idx] = v, index_put_, index_put, _unsafe_index and _unsafe_index_put"
 
 
 def device_index_name(packet: str) -> str | None:

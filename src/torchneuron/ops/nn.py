@@ -172,7 +172,9 @@ def _bn_eval(input, weight, bias, running_mean, running_var, eps):
     return _bn_apply(input, weight, bias, running_mean, invstd)
 
 
-@lowering("_native_batch_norm_legit.default")
+# In eval mode ATen's CPU (and CUDA) kernels save no statistics: save_mean and save_invstd are empty
+# (shape (0,)), where the meta kernels say (C,); the shapes come from the lowering itself.
+@lowering("_native_batch_norm_legit.default", shape_from_lowering=True)
 def native_batch_norm_legit(input, weight, bias, running_mean, running_var, training, momentum, eps):
     if training:
         out, mean, invstd, rm, rv = _bn_train(input, weight, bias, running_mean, running_var, momentum, eps)
@@ -181,9 +183,9 @@ def native_batch_norm_legit(input, weight, bias, running_mean, running_var, trai
 
 
 def _bn_eval_saving_stats(input, weight, bias, running_mean, running_var, eps):
-    # In eval mode the "saved" statistics are the running ones (what the backward will use).
-    invstd = lax.rsqrt(running_var.astype(_acc(input)) + eps)
-    return _bn_apply(input, weight, bias, running_mean, invstd), running_mean, invstd
+    # Nothing is saved in eval mode (the backward reads the running statistics), as on CPU.
+    empty = jnp.zeros((0,), _acc(input))
+    return _bn_eval(input, weight, bias, running_mean, running_var, eps), empty, empty
 
 
 @lowering("_native_batch_norm_legit.no_stats")
@@ -192,13 +194,13 @@ def native_batch_norm_legit_no_stats(input, weight, bias, training, momentum, ep
     return out, mean, invstd
 
 
-@lowering("_native_batch_norm_legit_no_training.default")
+@lowering("_native_batch_norm_legit_no_training.default", shape_from_lowering=True)
 def native_batch_norm_legit_no_training(input, weight, bias, running_mean, running_var, momentum, eps):
     empty = jnp.zeros((0,), _acc(input))
     return _bn_eval(input, weight, bias, running_mean, running_var, eps), empty, empty
 
 
-@lowering("native_batch_norm.default", mutates=("running_mean", "running_var"))
+@lowering("native_batch_norm.default", mutates=("running_mean", "running_var"), shape_from_lowering=True)
 def native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
     if training:
         out, mean, invstd, rm, rv = _bn_train(input, weight, bias, running_mean, running_var, momentum, eps)
@@ -213,7 +215,7 @@ def batch_norm_with_update(input, weight, bias, running_mean, running_var, momen
     return rm, rv, out, mean, invstd, jnp.zeros((0,), jnp.uint8)
 
 
-@lowering("_batch_norm_no_update.default")
+@lowering("_batch_norm_no_update.default", shape_from_lowering=True)
 def batch_norm_no_update(input, weight, bias, running_mean, running_var, momentum, eps):
     empty = jnp.zeros((0,), _acc(input))
     if running_mean is None:

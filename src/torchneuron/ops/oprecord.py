@@ -95,6 +95,10 @@ EAGER: dict[str, EagerPolicy] = {
     "_lazy_clone.default": _hand("storage_ops.lazy_clone"),
     # Data-dependent shapes and host-side decisions (eager/host_ops.py, eager/data_dependent.py).
     "index.Tensor": EagerPolicy(host_indices=True),
+    # _unsafe_index(_put) are index(_put) without bounds checks (CompositeExplicitAutograd over
+    # them in ATen): CUDA takes their indices on the CPU as it does index's.
+    "_unsafe_index.Tensor": EagerPolicy(host_indices=True),
+    "_unsafe_index_put.default": EagerPolicy(host_indices=True, masked_fill="masked_fill.Tensor"),
     "index_put.default": EagerPolicy(host_indices=True, masked_fill="masked_fill.Tensor"),
     "index_put_.default": EagerPolicy(host_indices=True, masked_fill="masked_fill_.Tensor"),
     "_index_put_impl_.default": EagerPolicy(host_indices=True, masked_fill="masked_fill_.Tensor"),

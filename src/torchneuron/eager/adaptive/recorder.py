@@ -297,7 +297,8 @@ class Region:
                 continue
             t = new(layout, PENDING, device)
             sid = len(self.addr_of)
-            addr = t.data_ptr()
+            # A tensor without elements has data_ptr() 0: its storage's handle is the record's.
+            addr = t.data_ptr() or t.untyped_storage().data_ptr()
             self.sid_of[addr] = sid
             self.addr_of.append(addr)
             self.results.add(sid)
