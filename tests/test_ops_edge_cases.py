@@ -7,7 +7,7 @@ are the regressions in a form CI runs every time.
 import pytest
 import torch
 
-import torchneuron  # noqa: F401
+import torchneuron
 
 DEV = "neuron"
 
@@ -273,3 +273,26 @@ def test_matrix_exp_is_as_accurate_as_cpus_float32():
         err_neuron = ((got[i].double() - truth[i]).norm() / scale).item()
         err_cpu = ((cpu[i].double() - truth[i]).norm() / scale).item()
         assert err_neuron < max(10 * err_cpu, 1e-5), (i, err_neuron, err_cpu)
+
+
+def test_embedding_max_norm_renormalises_rows_in_eager_and_compiled_graphs():
+    """nn.Embedding(max_norm=...) calls embedding_renorm_ (eager) / embedding_renorm (graphs): the
+    rows looked up are scaled to max_norm in place, as on CPU (graphs failed to lower it)."""
+    import copy
+    import warnings
+
+    torch.manual_seed(0)
+    cpu = torch.nn.Sequential(torch.nn.Embedding(20, 6, max_norm=1.0), torch.nn.Linear(6, 2))
+    eager = copy.deepcopy(cpu).to("neuron")
+    compiled_module = copy.deepcopy(cpu).to("neuron")
+    compiled = torch.compile(compiled_module, backend="neuron")
+    for ids in (torch.tensor([[1, 3, 3, 7], [0, 1, 19, 5]]), torch.tensor([[2, 4, 4, 9], [11, 12, 2, 0]])):
+        ref = cpu(ids)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got_eager, got_compiled = eager(ids.to("neuron")), compiled(ids.to("neuron"))
+        torch.testing.assert_close(got_eager.cpu(), ref)
+        torch.testing.assert_close(got_compiled.cpu(), ref)
+        torch.testing.assert_close(eager[0].weight.detach().cpu(), cpu[0].weight.detach())
+        torch.testing.assert_close(compiled_module[0].weight.detach().cpu(), cpu[0].weight.detach())
+    assert not torchneuron.metrics()["fallbacks"]

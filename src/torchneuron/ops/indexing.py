@@ -462,8 +462,8 @@ def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, of
     return out
 
 
-@lowering("embedding_renorm_.default")
-def embedding_renorm_(self, indices, max_norm, norm_type):
+@lowering("embedding_renorm.default")
+def embedding_renorm(self, indices, max_norm, norm_type):
     # Rows referenced by ``indices`` whose norm exceeds max_norm are scaled to max_norm (once each).
     acc = compute_dtype(self.dtype)
     w = self.astype(acc)
