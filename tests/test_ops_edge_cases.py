@@ -229,7 +229,6 @@ _BN_EVAL = {
 @pytest.mark.parametrize("train", [False, True])
 @pytest.mark.parametrize("op", list(_BN_EVAL))
 def test_batch_norm_saved_statistics_have_cpus_shapes(op, train, mode):
-    import torchneuron
     if train and op.endswith(("no_training", "no_update")):
         pytest.skip("no training form")
     g = torch.Generator().manual_seed(0)
@@ -250,7 +249,6 @@ def test_batch_norm_saved_statistics_have_cpus_shapes(op, train, mode):
 def test_adaptive_eager_produces_outputs_without_elements():
     """A new output without elements has data_ptr() 0: adaptive eager filed it under 0, never gave
     its storage a buffer, and the next synchronize failed on the pending placeholder."""
-    import torchneuron
     x, r = torch.ones(2, 3, 4, device=DEV), torch.ones(3, device=DEV)
     with torchneuron.eager_mode("adaptive"):
         empty = torch.empty(0, device=DEV) + 1
