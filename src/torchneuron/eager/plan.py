@@ -276,6 +276,8 @@ class Planning:
                  for o in outs]
         if self.returns_list:
             return metas
+        if not metas:   # only mutated arguments (a fused optimizer step): no new outputs
+            return ()
         return tuple(metas) if len(metas) > 1 else metas[0]
 
 
