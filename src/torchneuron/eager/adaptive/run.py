@@ -128,10 +128,12 @@ def _run_loop():
             h.results = fn(*external, *runtime)   # XLA runs it without the GIL
         except BaseException as err:   # raised in the user's thread when the run is joined
             h.error = err
-        h.latch.release()
-        # Not kept while waiting for the next run: the inputs' buffers (a step's old parameters and
-        # moments) go as soon as their storages have newer ones.
-        fn = external = runtime = h = None
+        # Dropped before the joiner wakes, not kept while waiting for the next run: the inputs'
+        # buffers (a step's old parameters and moments) go as soon as their storages have newer
+        # ones, and a joined run holds none of them.
+        fn = external = runtime = None
+        latch, h = h.latch, None
+        latch.release()
 
 
 def reset_after_fork() -> None:
