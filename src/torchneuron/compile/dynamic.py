@@ -50,6 +50,7 @@ from ..runtime.dtypes import device_dtype, jax_dtype
 from ..runtime.inputs import Inputs
 from . import executables
 from .errors import NodeFailure, meta_of
+from .graph import unboxed
 from .interpreter import _apply, _lookup
 
 _records = memory.allocator.records
@@ -356,12 +357,7 @@ class BucketedProgram:
 
     # -- calling -----------------------------------------------------------------------------------
     def __call__(self, *args):
-        if len(args) == 1 and isinstance(args[0], list):
-            boxed = args[0]
-            args = list(boxed)
-            boxed.clear()
-        else:
-            args = list(args)
+        args = unboxed(args)
         if self.static is not None:
             return self.static(args)
         values = {}

@@ -45,6 +45,17 @@ from .interpreter import Interpreter, Step, call_signature
 from .outputs import OutputPlan
 
 
+def unboxed(args) -> list:
+    """A graph program's arguments as a list. A boxed call (AOTAutograd's convention: one list)
+    gives up the list: it is emptied, freeing the caller's references to the inputs."""
+    if len(args) == 1 and isinstance(args[0], list):
+        boxed = args[0]
+        args = list(boxed)
+        boxed.clear()
+        return args
+    return list(args)
+
+
 class GraphProgram:
     """A compiled ATen graph: call it with the boxed list of real inputs."""
 
@@ -156,13 +167,7 @@ class GraphProgram:
 
     # -- calling -----------------------------------------------------------------------------------
     def __call__(self, *args):
-        if len(args) == 1 and isinstance(args[0], list):
-            # Boxed call (AOTAutograd's convention): take the list and free the caller's references.
-            boxed = args[0]
-            args = list(boxed)
-            boxed.clear()
-        else:
-            args = list(args)
+        args = unboxed(args)
         if self.eager:
             return self._run_eager(args)
         ins, specs = call_signature(args)
