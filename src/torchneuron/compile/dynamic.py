@@ -342,6 +342,7 @@ class BucketedProgram:
             if isinstance(out, torch.fx.Node) and isinstance(out.meta.get("val"), torch.SymFloat | torch.SymBool):
                 raise NoRule("output", "a SymFloat/SymBool output")
         self.random = any(sig is not None and sig.lowering.random for _, _, sig, _ in self.steps)
+        self._plan_outputs()
 
     def _fall_back(self, err: NoRule):
         from .backend import static_aten_program  # the static path lives beside the backend
@@ -368,35 +369,37 @@ class BucketedProgram:
         for e in self.symbols:
             buckets[e] = bucket_for(values[e], self.buckets, self.where[e])
             metrics.dynamic_sizes[self.dim_names[e]][values[e]] += 1   # for the bucket advisor
-        padded_inputs, ins, specs = self._inputs(args, values, buckets)
+        ins, specs = self._inputs(args, buckets)
         device_index = ins.device_index
         # What decides the program: the buckets, every input's spec and the sizes of the storages
-        # the static inputs read (runtime/inputs.py); true sizes and view offsets are runtime inputs.
+        # it reads (runtime/inputs.py); true sizes, strides and view offsets are runtime inputs.
         key = (tuple(buckets[e] for e in self.symbols), tuple(specs), tuple(ins.storages))
-        direct = [*ins.bufs, *ins.runtime]
         sym_inputs = [np.asarray(values[e], np.int64) for e in self.symbols]
         if self.random:
             gen = rng.generator(device_index if device_index is not None else current_device())
             sym_inputs.extend(gen.next_key_inputs())
+        layouts = self._output_layouts(values)
+        sym_inputs.extend(np.asarray((*sizes, *strides), np.int64) for sizes, strides in layouts)
         exe = self.executables.get(key)
         if exe is None:
             with self._lock:
                 exe = self.executables.get(key)
                 if exe is None:
                     try:
-                        exe = self._compile(key, buckets, specs, padded_inputs, ins, sym_inputs)
+                        exe = self._compile(key, buckets, specs, ins, sym_inputs)
                     except NoRule as err:
                         self._fall_back(err)
                         return self.static(args)
                     self.executables[key] = exe
-        results = exe["call"](*padded_inputs, *direct, *sym_inputs)
-        return self._finish(exe, results, args, values, device_index)
+        results = exe["call"](*ins.bufs, *ins.runtime, *sym_inputs)
+        return self._finish(exe, results, args, values, layouts, device_index)
 
-    def _inputs(self, args, values, buckets):
-        """(padded arrays, the static and host inputs collected as every graph collects them
-        (``runtime/inputs.py``), a spec per placeholder)."""
+    def _inputs(self, args, buckets):
+        """The inputs collected as every graph collects them (``runtime/inputs.py``) and a spec per
+        placeholder: inputs with dynamic sizes are read from their storages as padded boxes, with
+        their strides and offset as one runtime vector."""
         ins = Inputs()
-        to_pad, specs, pad_specs = [], [], []
+        specs = []
         for ph, a in zip(self.placeholders, args):
             v = ph.meta.get("val")
             if not isinstance(v, torch.Tensor):
@@ -409,22 +412,25 @@ class BucketedProgram:
             if a.device.type != "neuron":
                 raise RuntimeError(f"torchneuron: a bucketed graph got an input on {a.device}; move it to "
                                    "the neuron device first")
-            exprs = _shape_exprs(v)
-            if all(_is_static(e) for e in exprs):
+            if all(_is_static(e) for e in _shape_exprs(v)):
                 specs.append(("graph", ins.graph_arg(a)))
                 continue
-            rec = memory.record_of(a)
-            if ins.device_index is None:
-                ins.device_index = rec.device_index
-            elif rec.device_index != ins.device_index:
-                raise device_mismatch_error(a, ins.device_index)
-            padded = tuple(_padded(e, buckets) for e in exprs)
-            view = (a.dtype, tuple(a.shape), a.stride(), a.storage_offset(), rec.numel)
-            specs.append(("padded", len(to_pad), a.dtype, padded))
-            to_pad.append(memory.empty_buffer(rec))
-            pad_specs.append((view, *self._split(exprs, values, buckets), padded))
-        padded_inputs = _pad(tuple(pad_specs), to_pad) if to_pad else []
-        return list(padded_inputs), ins, specs
+            box = int(np.prod([_padded(e, buckets) for e in _shape_exprs(v)]))
+            specs.append(("box", box_input(ins, a, box), a.dtype))
+        return ins, specs
+
+    def _output_layouts(self, values):
+        """(sizes, strides) of each output the program writes, at this call's true sizes."""
+        layouts = []
+        for kind, what in self.output_kinds:
+            if kind == "array":
+                val = what[0].meta["val"]
+                sizes = tuple(int(evaluate(e, values)) for e in _shape_exprs(val))
+                strides = tuple(int(evaluate(expr_of(s), values)) for s in val.stride())
+                if not layout.is_dense(sizes, strides):
+                    strides = memory.contiguous_strides(sizes)
+                layouts.append((sizes, strides))
+        return layouts
 
     def _split(self, exprs, values, buckets):
         """(true, padded) sizes of a shape with its compound dims split into their factors: how
@@ -436,91 +442,129 @@ class BucketedProgram:
             padded.extend(_padded(f, buckets) for f in fs)
         return tuple(true), tuple(padded)
 
-    def _compile(self, key, buckets, specs, padded_inputs, ins, sym_inputs):
+    def _compile(self, key, buckets, specs, ins, sym_inputs):
         if self.executables:
             metrics.recompiles[f"{self.kind} graph: a new shape bucket (config.shapes='bucketed')"] += 1
         for e in self.symbols:   # for the bucket advisor: compiles per bucket, and the ladder
             metrics.bucket_compiles[self.dim_names[e]][buckets[e]] += 1
             metrics.dynamic_ladders[self.dim_names[e]] = _ladder_text(self.buckets)
-        tracer = _Trace(self, buckets, specs, len(padded_inputs), len(ins.bufs), len(ins.runtime))
+        tracer = _Trace(self, buckets, specs, len(ins.bufs), len(ins.runtime))
         tracer.__name__ = f"neuron_bucketed_{self.kind}"
         try:
-            _, compiled, _ = executables.compile_traced(tracer, [*padded_inputs, *ins.bufs],
-                                                        [*ins.runtime, *sym_inputs])
+            _, compiled, _ = executables.compile_traced(tracer, ins.bufs, [*ins.runtime, *sym_inputs])
         except NodeFailure as failure:
             if isinstance(failure.error, NoRule):
                 raise failure.error from None
             raise NoRule(_op_name(failure.node), f"{type(failure.error).__name__}: {failure.error}") from None
         metrics.extra["bucketed_graph_compiles"] += 1
-        return {"call": compiled, "outputs": tracer.output_kinds, "checks": tracer.checks, "buckets": buckets}
+        return {"call": compiled, "checks": tracer.checks}
 
-    def _finish(self, exe, results, args, values, device_index):
+    def _finish(self, exe, results, args, values, layouts, device_index):
         dev = device_index if device_index is not None else current_device()
-        outs, cut, cut_specs = [], [], []
         results = list(results)
-        nres = sum(1 for kind, _ in exe["outputs"] if kind == "array")
         if exe["checks"]:
-            outcome = results[nres]
+            outcome = results[len(layouts)]
             if self.device_checks == "sync":
                 deferred.check_now(outcome, exe["checks"])
             else:
                 deferred.defer(outcome, exe["checks"], sites.place(__import__("sys")._getframe()))
-        for kind, what in exe["outputs"]:
+        final = []
+        for kind, what in self.output_kinds:
             if kind == "array":
                 node, j = what
-                val = node.meta["val"]
-                sizes = tuple(int(evaluate(e, values)) for e in _shape_exprs(val))
-                strides = tuple(int(evaluate(expr_of(s), values)) for s in val.stride())
-                if not layout.is_dense(sizes, strides):
-                    strides = memory.contiguous_strides(sizes)
-                cut_specs.append((sizes, strides, *self._split(_shape_exprs(val), values, exe["buckets"])))
-                cut.append(results[j])
-                outs.append(("cut", len(cut) - 1, val.dtype, sizes, strides))
-            else:
-                outs.append((kind, what))
-        bufs = _cut(tuple(cut_specs), cut) if cut else []
-        final = []
-        for o in outs:
-            kind = o[0]
-            if kind == "cut":
-                _, j, dtype, sizes, strides = o
-                final.append(memory.new_buffer_tensor(bufs[j], dtype, dev, sizes, strides))
+                sizes, strides = layouts[j]
+                final.append(memory.new_boxed_tensor(results[j], node.meta["val"].dtype, dev, sizes, strides))
             elif kind == "input":
-                final.append(args[o[1]])
+                final.append(args[what])
             elif kind == "view":
-                i, sizes, strides, offset = o[1]
+                i, sizes, strides, offset = what
                 final.append(_AS_STRIDED(_CPU_KEYS, args[i], [int(evaluate(e, values)) for e in sizes],
                                          [int(evaluate(e, values)) for e in strides], int(evaluate(offset, values))))
             elif kind == "sym":
-                final.append(int(evaluate(o[1], values)))
+                final.append(int(evaluate(what, values)))
             else:
-                final.append(o[1])
+                final.append(what)
         return final
+
+    def _plan_outputs(self):
+        """What each output is: a new array the program writes, an input, a view of one (a real
+        alias, as GraphProgram returns it), a size computed on the host, or a constant."""
+        kinds, n = [], 0
+        ph_index = {ph: i for i, ph in enumerate(self.placeholders)}
+        ph_storage = {}
+        for i, ph in enumerate(self.placeholders):
+            v = ph.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                ph_storage.setdefault(StorageWeakRef(v.untyped_storage()), i)
+        for out in _flat(self.output_node.args[0]):
+            val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
+            src = ph_storage.get(StorageWeakRef(val.untyped_storage())) if isinstance(val, torch.Tensor) else None
+            if not isinstance(out, torch.fx.Node):
+                kinds.append(("const", out))
+            elif out in ph_index and isinstance(val, torch.Tensor):
+                kinds.append(("input", ph_index[out]))
+            elif src is not None and self.placeholders[src].meta["val"].dtype == val.dtype:
+                kinds.append(("view", (src, _shape_exprs(val), tuple(expr_of(x) for x in val.stride()),
+                                       expr_of(val.storage_offset()))))
+            elif isinstance(val, torch.Tensor):
+                kinds.append(("array", (out, n)))
+                n += 1
+            else:
+                kinds.append(("sym", expr_of(val)) if isinstance(val, torch.SymInt | int) else ("const", val))
+        self.output_kinds = kinds
+
+
+def box_input(ins, a, box: int) -> tuple:
+    """The part of a bucketed executable's key for a neuron tensor ``a`` with dynamic sizes, read from
+    its storage as a padded box of ``box`` elements: its slot. Its offset and strides are the next
+    runtime input. A storage whose size is not a bucket's capacity gets one first (the box's size,
+    or more: ``memory.recapacity``, counted), so the buffer sizes in keys stay bounded."""
+    rec = memory.record_of(a)
+    if ins.device_index is None:
+        ins.device_index = rec.device_index
+    elif rec.device_index != ins.device_index:
+        raise device_mismatch_error(a, ins.device_index)
+    if not rec.boxed:
+        how = memory.recapacity(rec, box)
+        metrics.extra[f"bucketed_recapacity_{how}"] += 1
+        if how == "device":
+            metrics.extra["bucketed_pad_compiles"] += 1
+    addr = memory.storage_address(a)
+    slot = ins.slots.get(addr)
+    if slot is None:
+        slot = ins._add_storage(addr, rec, rec.buf)
+    else:
+        ins.bufs[slot] = rec.buf
+        ins.storages[slot] = (rec.numel, rec.dtype)
+    ins.runtime.append(np.asarray((a.storage_offset(), *a.stride()), np.int64))
+    return slot
 
 
 _warned: set = set()
 
 
 class _Trace:
-    """The traced function of one bucket: (padded arrays..., static buffers..., true sizes...)."""
+    """The traced function of one bucket: (storage buffers..., runtime values..., true sizes...,
+    output layouts...)."""
 
-    def __init__(self, program, buckets, specs, npad, nbufs, nruntime):
+    def __init__(self, program, buckets, specs, nbufs, nruntime):
         self.p, self.buckets, self.specs = program, buckets, specs
-        self.npad, self.nbufs, self.nruntime = npad, nbufs, nruntime
-        self.output_kinds = []
+        self.nbufs, self.nruntime = nbufs, nruntime
         self.checks = ()
 
     def __call__(self, *flat):
         p = self.p
-        padded = flat[:self.npad]
-        bufs = flat[self.npad:self.npad + self.nbufs]
-        rt = iter(flat[self.npad + self.nbufs:self.npad + self.nbufs + self.nruntime])
-        trues = flat[self.npad + self.nbufs + self.nruntime:]
-        self.values = dict(zip(p.symbols, trues))
+        bufs = flat[:self.nbufs]
+        rt = iter(flat[self.nbufs:self.nbufs + self.nruntime])
+        rest = flat[self.nbufs + self.nruntime:]
+        nsym = len(p.symbols)
+        self.values = dict(zip(p.symbols, rest[:nsym]))
         self.base_key = None
         if p.random:
-            seed, offset = trues[len(p.symbols):len(p.symbols) + 2]
+            seed, offset = rest[nsym:nsym + 2]
             self.base_key = jax.random.fold_in(jax.random.key(seed), offset)
+            nsym += 2
+        out_layouts = rest[nsym:]
         env = {}
         for ph, spec in zip(p.placeholders, self.specs):
             v = ph.meta.get("val")
@@ -529,7 +573,28 @@ class _Trace:
             elif spec[0] == "graph":
                 env[ph], _ = inputs.read(spec[1], bufs, rt)
             else:
-                env[ph] = padded[spec[1]]
+                env[ph] = self.read_box(bufs[spec[1]], spec[2], _shape_exprs(v), next(rt))
+        return self.evaluate(env, out_layouts)
+
+    def read_box(self, buf, dtype, exprs, view):
+        """The padded box of an input view; ``view`` is its runtime (offset, *strides)."""
+        flat = layout.reinterpret(buf, jax_dtype(dtype))
+        return dyn.box_read(flat, self.box_dims(exprs), [view[1 + d] for d in range(len(exprs))], view[0])
+
+    def box_dims(self, exprs):
+        """Per dim of a value with sizes ``exprs``: its factors ((true, padded), ...)."""
+        dims = []
+        for e in exprs:
+            fs = factors(e, self.p.order) if compound(e, self.p.order) else [e]
+            dims.append(tuple((int(f) if _is_static(f) else evaluate(f, self.values), self.padded_int(f))
+                              for f in fs))
+        return dims
+
+    def evaluate(self, env, out_layouts):
+        """Every node, then each new output written into a buffer of its box's capacity laid out as
+        its true tensor (``out_layouts``: runtime (*sizes, *strides) of each), then the outcome of
+        the device checks."""
+        p = self.p
         found = []
         with checks.collecting() if p.device_checks != "off" else checks.suspended() as sink:
             for n, (node, kind, sig, rule) in enumerate(p.steps):
@@ -545,32 +610,19 @@ class _Trace:
                     found.extend((entry, sig.name) for entry in sink[before:])
         self.checks = tuple((entry[-1], op) for entry, op in found)
         results = []
-        ph_index = {ph: i for i, ph in enumerate(p.placeholders)}
-        ph_storage = {}
-        for i, ph in enumerate(p.placeholders):
-            v = ph.meta.get("val")
-            if isinstance(v, torch.Tensor):
-                ph_storage.setdefault(StorageWeakRef(v.untyped_storage()), i)
-        for out in _flat(p.output_node.args[0]):
-            val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
-            src = ph_storage.get(StorageWeakRef(val.untyped_storage())) if isinstance(val, torch.Tensor) else None
-            if not isinstance(out, torch.fx.Node):
-                self.output_kinds.append(("const", out))
-            elif out in ph_index and isinstance(val, torch.Tensor):
-                self.output_kinds.append(("input", ph_index[out]))
-            elif src is not None and p.placeholders[src].meta["val"].dtype == val.dtype:
-                # A view of an input: a real alias of it, as GraphProgram returns it.
-                self.output_kinds.append(("view", (src, _shape_exprs(val), tuple(expr_of(x) for x in val.stride()),
-                                                   expr_of(val.storage_offset()))))
-            elif isinstance(out.meta.get("val"), torch.Tensor):
-                value = env[out]
-                want = jax_dtype(out.meta["val"].dtype)
-                results.append(value.astype(want) if value.dtype != want else value)
-                self.output_kinds.append(("array", (out, len(results) - 1)))
-            else:
-                v = out.meta.get("val")
-                self.output_kinds.append(("sym", expr_of(v)) if isinstance(v, torch.SymInt | int)
-                                         else ("const", v))
+        for kind, what in p.output_kinds:
+            if kind != "array":
+                continue
+            out, j = what
+            val = out.meta["val"]
+            value = env[out]
+            want = jax_dtype(val.dtype)
+            value = value.astype(want) if value.dtype != want else value
+            exprs = _shape_exprs(val)
+            nd = len(exprs)
+            vec = out_layouts[j]
+            results.append(dyn.box_write(value, self.box_dims(exprs), [vec[d] for d in range(nd)],
+                                         [vec[nd + d] for d in range(nd)]))
         if found:
             results.append(checks.pack([entry for entry, _ in found]))
         return tuple(results)
@@ -1182,40 +1234,6 @@ def _check_shapes(node, result, trace):
         if tuple(result.shape) != want:
             raise NoRule(_op_name(node), f"produced shape {tuple(result.shape)} on padded inputs, "
                                          f"expected {want}")
-
-
-# Pad and cut executables: one per distinct set of input (output) shapes.
-_pads: dict = {}
-_cuts: dict = {}
-
-
-def _pad(specs, bufs):
-    fn = _pads.get(specs)
-    if fn is None:
-        def pad(*bufs):
-            out = []
-            for ((dtype, sizes, strides, offset, _), split_true, split_padded, padded), buf in zip(specs, bufs):
-                x = layout.read(buf, jax_dtype(dtype), sizes, strides, offset).reshape(split_true)
-                x = jnp.pad(x, [(0, p - s) for s, p in zip(split_true, split_padded)])
-                out.append(x.reshape(padded))
-            return tuple(out)
-        fn = _pads[specs] = jax.jit(pad)
-        metrics.extra["bucketed_pad_compiles"] += 1
-    return fn(*bufs)
-
-
-def _cut(specs, arrays):
-    fn = _cuts.get(specs)
-    if fn is None:
-        def cut(*arrays):
-            out = []
-            for (sizes, strides, split_true, split_padded), a in zip(specs, arrays):
-                x = a.reshape(split_padded)[tuple(slice(0, s) for s in split_true)].reshape(sizes)
-                out.append(layout.to_layout(x, sizes, strides))
-            return tuple(out)
-        fn = _cuts[specs] = jax.jit(cut)
-        metrics.extra["bucketed_cut_compiles"] += 1
-    return fn(*arrays)
 
 
 __all__ = ["BucketedProgram", "NoRule", "RULES", "bucket_for", "parse_buckets"]

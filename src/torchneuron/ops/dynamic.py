@@ -229,3 +229,81 @@ def slice_from(x, dim, start, length):
 def wrap_negative(index, true_len):
     """Negative indices into a padded dim, counted from its true end."""
     return jnp.where(index < 0, index + true_len, index)
+
+
+# -- storages with a bucket's capacity -------------------------------------------------------------
+# A bucketed executable reads a dynamic input straight from its storage buffer and writes each result
+# into a fresh buffer of the padded box's size, laid out as the true tensor: sizes, strides and
+# offsets are runtime inputs, so one executable serves every size in its bucket (no per-shape pad
+# or cut program). ``dims`` gives, per dim of the view, its factors ((true, padded), ...) outer to
+# inner: one factor for a plain dim, several for a dim that merges dynamic dims (``Factors``).
+def _index_dtype(n):
+    return jnp.int64 if n >= 2**31 - 1 else jnp.int32
+
+
+def _factor_coords(pos, factors):
+    """(index along the true dim, in range) of box positions ``pos`` of a dim with ``factors``."""
+    rest, true_index, scale, valid = pos, 0, 1, None
+    for t, p in reversed(factors):
+        digit = rest % p if len(factors) > 1 else rest
+        rest = rest // p
+        if not (isinstance(t, int) and t == p):
+            ok = digit < t
+            valid = ok if valid is None else valid & ok
+        true_index = true_index + digit * scale
+        scale = scale * t
+    return true_index, valid
+
+
+def box_read(flat, dims, strides, offset):
+    """The padded box of the view (``strides``, ``offset`` into ``flat``): exact where every factor
+    is below its true size, zeros elsewhere."""
+    shape = tuple(int(np.prod([p for _, p in fs])) for fs in dims)
+    itype = _index_dtype(max(flat.shape[0], 1))
+    idx, valid = jnp.asarray(offset, itype), None
+    for d, fs in enumerate(dims):
+        pos = lax.broadcasted_iota(itype, shape, d)
+        true_index, ok = _factor_coords(pos, [(_as(t, itype), p) for t, p in fs])
+        idx = idx + true_index * _as(strides[d], itype)
+        if ok is not None:
+            valid = ok if valid is None else valid & ok
+    idx = jnp.clip(idx, 0, flat.shape[0] - 1)
+    values = flat[idx]
+    if valid is None:
+        return values
+    return jnp.where(valid, values, jnp.zeros((), flat.dtype))
+
+
+def box_write(box, dims, sizes, strides):
+    """A flat buffer of the box's size holding the true tensor of the padded ``box`` laid out with
+    ``sizes`` and dense ``strides`` (traced or static), zeros after its last element."""
+    capacity = int(np.prod(box.shape))
+    itype = _index_dtype(max(capacity, 1))
+    pos = lax.iota(itype, capacity)
+    numel, src = 1, 0
+    box_scale = 1
+    coords = []
+    for d in range(len(dims)):
+        size = _as(sizes[d], itype)
+        numel = numel * size
+        coords.append((pos // jnp.maximum(_as(strides[d], itype), 1)) % jnp.maximum(size, 1))
+    for d in reversed(range(len(dims))):
+        fs = dims[d]
+        c = coords[d]
+        # The true index along the dim as digits of its factors' true sizes, placed at their padded
+        # positions in the box.
+        rest, box_index, scale = c, 0, 1
+        for t, p in reversed(fs):
+            t = _as(t, itype)
+            digit = rest % t if len(fs) > 1 else rest
+            rest = rest // t if len(fs) > 1 else rest
+            box_index = box_index + digit * scale
+            scale = scale * p
+        src = src + box_index * box_scale
+        box_scale *= int(np.prod([p for _, p in fs]))
+    values = box.reshape(-1)[jnp.clip(src, 0, capacity - 1)]
+    return jnp.where(pos < numel, values, jnp.zeros((), box.dtype))
+
+
+def _as(v, itype):
+    return v if isinstance(v, int) else jnp.asarray(v).astype(itype)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import struct
 import sys
 import threading
@@ -71,7 +72,7 @@ _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 class StorageRecord:
     """What the allocator knows about one storage: its flat buffer and its size."""
 
-    __slots__ = ("buf", "nbytes", "dtype", "numel", "device_index", "__weakref__")
+    __slots__ = ("buf", "nbytes", "dtype", "numel", "device_index", "boxed", "__weakref__")
 
     def __init__(self, nbytes: int, dtype: torch.dtype, device_index: int, buf=None):
         self.nbytes = nbytes
@@ -79,6 +80,9 @@ class StorageRecord:
         self.numel = nbytes // dtype.itemsize
         self.device_index = device_index
         self.buf = buf                   # flat jax.Array of ``numel`` elements, or None (never written)
+        # The buffer's size is a shape bucket's capacity (config.shapes="bucketed"), not the exact
+        # size of the tensors on it: bucketed executables read it without a per-shape copy.
+        self.boxed = False
 
 
 class _StorageWatch(weakref.ref):
@@ -472,6 +476,52 @@ def new_buffer_tensor(buf, dtype: torch.dtype, device_index: int, sizes=None, st
     if out.nbytes == nbytes:
         return allocator.new_output(out, buf, device_index)
     return allocator.new_tensor(tuple(sizes), tuple(strides), dtype, device_index, buf=buf, storage_nbytes=nbytes)
+
+
+def new_boxed_tensor(buf, dtype: torch.dtype, device_index: int, sizes, strides) -> torch.Tensor:
+    """A neuron tensor with the given layout at the start of ``buf``, a bucketed executable's result
+    whose size is its shape bucket's capacity (``StorageRecord.boxed``)."""
+    t = new_buffer_tensor(buf, dtype, device_index, sizes, strides)
+    allocator.records[storage_address(t)].boxed = True
+    return t
+
+
+def box_capacity(numel: int) -> int:
+    """The capacity a storage of ``numel`` elements is given when a bucketed executable needs it
+    with a bucket's capacity: the next power of two (at least 16)."""
+    cap = 16
+    while cap < numel:
+        cap *= 2
+    return cap
+
+
+# Up to this size (bytes) a storage a bucketed executable reads is given its capacity through the
+# host (no program to compile); a larger one through a small program compiled per size.
+RECAPACITY_HOST_LIMIT = 16 << 20
+
+
+def recapacity(rec: StorageRecord, box: int) -> str:
+    """Give the storage of ``rec`` the capacity of a padded box of ``box`` elements (a power of two
+    if it holds more; its data unchanged, zeros after it), so executables keyed by buffer sizes
+    see a bounded set of sizes. Returns how: "host" or "device"."""
+    buf = empty_buffer(rec)
+    cap = box if box >= rec.numel else box_capacity(rec.numel)
+    extra = cap - int(buf.shape[0])
+    if rec.nbytes <= RECAPACITY_HOST_LIMIT:
+        host = np.asarray(buf)
+        rec.buf = jax_put(np.concatenate([host, np.zeros(extra, dtype=host.dtype)]), rec.device_index)
+        how = "host"
+    else:
+        rec.buf = _grow(int(buf.shape[0]), cap, buf.dtype)(buf)
+        how = "device"
+    rec.numel = cap
+    rec.boxed = True
+    return how
+
+
+@functools.lru_cache(maxsize=256)
+def _grow(numel, cap, dtype):
+    return jax.jit(lambda b: jnp.pad(b, (0, cap - numel)))
 
 
 def contiguous_strides(sizes) -> tuple:
