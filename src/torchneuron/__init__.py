@@ -55,6 +55,7 @@ def register() -> None:
     sys.modules.setdefault("torch.neuron.memory", device_module.memory)
     observe("eager_mode", adaptive.apply_mode)
     observe("device_checks", adaptive.device_checks_changed)
+    observe("shapes", _shapes_changed)
     printing.install()
     rng.install()              # torch.Generator(device="neuron")
     modules.install()
@@ -70,6 +71,13 @@ def register() -> None:
     _registered = True
     if config.cuda:            # TORCHNEURON_CUDA=neuron: CUDA scripts run unchanged on neuron
         transfer_cuda(config.cuda)
+
+
+def _shapes_changed(value) -> None:
+    import sys
+    if value == "bucketed" or "torchneuron.compile.eager_buckets" in sys.modules:
+        from .compile import eager_buckets  # loaded only once bucketed shapes are asked for
+        eager_buckets.apply_setting(value)
 
 
 def _autoload() -> None:

@@ -59,6 +59,9 @@ SEAMS = {s.attribute: s for s in (
          "wait for adaptive eager's fused run in flight before a host read reports device checks"),
     Seam("torchneuron.eager.kernel", "recorder", "torchneuron.eager.adaptive",
          "the adaptive-eager region that records kernel calls instead of running them (None: plain eager)"),
+    Seam("torchneuron.eager.kernel", "bucketer", "torchneuron.compile.eager_buckets",
+         "config.shapes='bucketed': serve an eager call that missed the exact cache with its shape "
+         "bucket's executable (None: one executable per shape)"),
     Seam("torchneuron.eager.storage_ops", "device_copy_kernel", "torchneuron.eager.registration",
          "the eager kernel of copy_ that copies between neuron tensors (set once its table is built)"),
     Seam("torchneuron.metrics:metrics", "tracer", "torchneuron.profiler",

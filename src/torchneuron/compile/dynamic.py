@@ -573,13 +573,14 @@ class _Trace:
             elif spec[0] == "graph":
                 env[ph], _ = inputs.read(spec[1], bufs, rt)
             else:
-                env[ph] = self.read_box(bufs[spec[1]], spec[2], _shape_exprs(v), next(rt))
+                view = next(rt)
+                env[ph] = self.read_box(bufs[spec[1]], spec[2], _shape_exprs(v), view[0],
+                                        [view[1 + d] for d in range(v.dim())])
         return self.evaluate(env, out_layouts)
 
-    def read_box(self, buf, dtype, exprs, view):
-        """The padded box of an input view; ``view`` is its runtime (offset, *strides)."""
-        flat = layout.reinterpret(buf, jax_dtype(dtype))
-        return dyn.box_read(flat, self.box_dims(exprs), [view[1 + d] for d in range(len(exprs))], view[0])
+    def read_box(self, buf, dtype, exprs, offset, strides):
+        """The padded box of an input view with true sizes ``exprs`` (traced offset and strides)."""
+        return dyn.box_read(layout.reinterpret(buf, jax_dtype(dtype)), self.box_dims(exprs), strides, offset)
 
     def box_dims(self, exprs):
         """Per dim of a value with sizes ``exprs``: its factors ((true, padded), ...)."""

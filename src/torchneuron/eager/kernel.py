@@ -50,6 +50,9 @@ _records = memory.allocator.records
 
 # The adaptive-eager recorder while that mode is on (see eager/adaptive.py), else None.
 recorder = None
+# config.shapes="bucketed": what serves a call that missed the exact cache with an executable of its
+# shape bucket (compile/eager_buckets.py), else None.
+bucketer = None
 # What the recorder's replay returns for a call it leaves to the full path.
 NOT_REPLAYED = object()
 
@@ -156,6 +159,8 @@ class Kernel(Planning, OpSignature):
         if exe.single_checked:   # the same with device checks (x[idx], gather...): their outcome last
             exe.report(results[1], sites.place(sys._getframe()))
             return memory.allocator.new_output(exe.outputs[0], results[0], device_index)
+        if exe.boxed:
+            return self._finish_boxed(exe, results, values, device_index)
         new_output = memory.allocator.new_output
         outs = []
         k = 0
@@ -168,6 +173,20 @@ class Kernel(Planning, OpSignature):
         if exe.writes:
             k = exe.take_writes(results, k, ctx.addrs)
         if exe.checks:   # value-dependent checks (index bounds...): the last result
+            exe.report(results[k], sites.place(sys._getframe()))
+        return self.returned(outs, values)
+
+    def _finish_boxed(self, exe, results, values, device_index):
+        """A bucketed executable's results: buffers of their bucket's capacity with the true layouts."""
+        outs = []
+        k = 0
+        for spec in exe.out_specs:
+            if spec is None:
+                outs.append(None)
+                continue
+            outs.append(memory.new_boxed_tensor(results[k], spec[0], device_index, spec[1], spec[2]))
+            k += 1
+        if exe.checks:
             exe.report(results[k], sites.place(sys._getframe()))
         return self.returned(outs, values)
 
@@ -191,6 +210,10 @@ class Kernel(Planning, OpSignature):
     # -- a new key ------------------------------------------------------------------------------
     def _miss(self, key, values, specs, ctx):
         exe = self._plan(values, specs, ctx)
+        if bucketer is not None and recorder is None:
+            exe = bucketer(self, key, values, specs, ctx, exe)
+            if exe.boxed:   # storages it reads may have been given a bucket's capacity
+                key = (*key[:3], tuple(ctx.storages), *key[4:])
         exe.key, exe.reason = key, compile_reason(key, self.keys)
         _cache[key] = exe
         self.keys.append(key)

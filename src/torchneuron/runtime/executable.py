@@ -16,7 +16,7 @@ _records = memory.allocator.records
 
 class Executable:
     __slots__ = ("call", "name", "key", "reason", "writes", "check_mode", "_checks", "traced", "out_specs",
-                 "outputs", "single", "single_checked", "aliased", "n_new", "n_host", "host_writes")
+                 "outputs", "single", "single_checked", "aliased", "n_new", "n_host", "host_writes", "boxed")
 
     def __init__(self, call, name, writes=(), check_mode="off", checks=(), *, traced=None, out_specs=(),
                  n_new=None, n_host=0, host_writes=()):
@@ -41,6 +41,9 @@ class Executable:
         self.n_new = len(self.outputs) if n_new is None else n_new
         self.n_host = n_host          # graphs: outputs that live on the CPU
         self.host_writes = host_writes  # graphs: input indices of mutated CPU inputs
+        # Bucketed eager ops: results are buffers of their bucket's capacity, wrapped with the
+        # true layouts of ``out_specs`` (compile/eager_buckets.py).
+        self.boxed = False
 
     @property
     def checks(self):

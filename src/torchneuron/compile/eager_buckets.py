@@ -1,0 +1,414 @@
+"""Bucketed dynamic dimensions in eager mode (``config.shapes = "bucketed"``): a new length reuses
+each op's executable for its bucket instead of compiling one per shape.
+
+An eager op's first shape compiles its exact executable, as always. When the same op (same
+dtypes, ranks, storages and compiled-in arguments other than sizes) comes again with other sizes,
+the dims (and integer arguments: ``arange(n)``, ``ones(n, n)``) that changed are **dynamic** from
+then on, as Dynamo's automatic dynamic shapes decide. The op is then traced once per *bucket* of
+those sizes, as a one-node symbolic ATen graph evaluated by the bucketed graph machinery
+(``compile/dynamic.py``: the masking rules of ``ops/dynamic.py``): its inputs are read from their
+storages as padded boxes with their true sizes, strides and offsets as runtime inputs, and its
+results are written into storages of the box's capacity (``StorageRecord.boxed``), laid out as the
+true tensors, so the next op reads them without a copy. Sizes, strides, views and in-place
+semantics are the user's as before: only a storage's capacity is a bucket's.
+
+What is not bucketed compiles per shape, as with ``config.shapes = "static"``, and is counted
+(``metrics()["extra"]["bucketed_eager_fallback: <op> (<why>)"]``): in-place and ``out=`` ops,
+random ops, 64-bit floating point, sizes of 0 or 1, ops without a rule, and adaptive eager's
+recorded regions.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+import numpy as np
+import sympy
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from .. import seams
+from ..config import config
+from ..metrics import metrics
+from ..ops.signature import OPT_TENSOR_LIST, TENSOR_LIST
+from ..runtime import inputs, memory, pjrt, sites
+from ..runtime.executable import Executable
+from ..runtime.inputs import CPU_SCALAR, EMPTY, is_view
+from .dynamic import BucketedProgram, NoRule, _padded, _shape_exprs, _Trace, bucket_for, parse_buckets
+
+_REASON = "a new shape bucket (config.shapes='bucketed')"
+_LISTS = (TENSOR_LIST, OPT_TENSOR_LIST)
+_WIDE = (torch.float64, torch.complex128)
+
+
+class _Family:
+    """The calls of one op at one user line whose sizes vary in a few positions only."""
+
+    __slots__ = ("first", "dynamic")
+
+    def __init__(self, first):
+        self.first = first          # the sizes of the first call
+        self.dynamic = frozenset()  # positions seen with another size since
+
+
+def _family(families: list, numbers) -> _Family:
+    """The family of a call's sizes: one whose other sizes all match, else the nearest one whose
+    differing sizes all scale by one factor (a length and the dims derived from it: ``t``,
+    ``b*t``), whose differing positions become dynamic, else a new one. A line that runs an op at
+    unrelated shapes (``self.out(gelu(self.fc(x)))``: two weights, 256 -> 64 and 64 -> 256) gets
+    one family per shape; a varying length, one family whose length dims are dynamic."""
+    best, best_diff = None, None
+    for fam in families:
+        diff = [i for i, (a, b) in enumerate(zip(fam.first, numbers)) if a != b and i not in fam.dynamic]
+        if not diff:
+            return fam
+        a0, b0 = fam.first[diff[0]], numbers[diff[0]]
+        if any(fam.first[i] * b0 != numbers[i] * a0 for i in diff):
+            continue
+        if best_diff is None or len(diff) < len(best_diff):
+            best, best_diff = fam, diff
+    if best is not None:
+        best.dynamic = best.dynamic | frozenset(best_diff)
+        return best
+    fam = _Family(tuple(numbers))
+    if len(families) < 64:
+        families.append(fam)
+    return fam
+
+
+_history: dict = {}     # shape-free signature and user line -> [_Family, ...]
+_programs: dict = {}    # bucket key -> compiled program
+_refused: dict = {}     # (signature, dynamic positions, sharing) -> why it is not bucketed
+
+
+def clear(_setting=None) -> None:
+    _history.clear()
+    _programs.clear()
+    _refused.clear()
+
+
+# -- what a call's key says about sizes ---------------------------------------------------------------
+def _shape_free(kernel, specs, statics):
+    """(signature without sizes, the sizes in order, where each size is): view specs without their
+    sizes and strides, integer arguments without their values."""
+    numbers, where = [], []
+    free = []
+    for j, ((_, kind), spec) in enumerate(zip(kernel.inputs, specs)):
+        if kind in _LISTS and spec is not None:
+            items = []
+            for p, s in enumerate(spec):
+                items.append(_view_free(s, ("spec", j, p), numbers, where))
+            free.append(tuple(items))
+        else:
+            free.append(_view_free(spec, ("spec", j, None), numbers, where))
+    free_statics = []
+    for j, v in enumerate(statics):
+        if v.__class__ is int:
+            numbers.append(v)
+            where.append(("static", j, None))
+            free_statics.append(int)
+        elif isinstance(v, tuple) and v and all(x.__class__ is int for x in v):
+            for p, x in enumerate(v):
+                numbers.append(x)
+                where.append(("static", j, p))
+            free_statics.append((int, len(v)))
+        else:
+            free_statics.append(v)
+    return tuple(free), tuple(free_statics), numbers, where
+
+
+def _view_free(spec, at, numbers, where):
+    if not is_view(spec):
+        return spec
+    dtype, sizes, _strides, offset, slot = spec
+    for d, n in enumerate(sizes):
+        numbers.append(n)
+        where.append((*at, d))
+    return (dtype, len(sizes), slot)
+
+
+# -- the eager entry point ------------------------------------------------------------------------------
+def bucketer(kernel, key, values, specs, ctx, planned):
+    """The executable for a call that missed the exact cache: a bucketed one when sizes of this op
+    varied before and it has a rule, else ``planned`` (the exact executable, not compiled yet)."""
+    if planned.writes or kernel.lowering.random:
+        return planned
+    free_specs, free_statics, numbers, where = _shape_free(kernel, specs, key[2])
+    if not numbers:
+        return planned
+    signature = (kernel, free_specs, free_statics, key[4], key[5])
+    # Which sizes vary is learnt per user line (as Dynamo learns it per frame): one kernel serves
+    # every layer's weights.
+    families = _history.setdefault((signature, sites.place(sys._getframe())), [])
+    dynamic = _family(families, numbers).dynamic
+    if not dynamic or any(numbers[i] <= 1 for i in dynamic):
+        return planned
+    dynamic = tuple(sorted(dynamic))
+    # Dims of equal size share one symbol (as Dynamo's duck shaping): part of the key.
+    distinct = list(dict.fromkeys(numbers[i] for i in dynamic))
+    sharing = tuple(distinct.index(numbers[i]) for i in dynamic)
+    refused_key = (signature, dynamic, sharing)
+    if refused_key in _refused:
+        return _fall_back(kernel, _refused[refused_key], planned)
+    if any(spec is not None and spec[0] in _WIDE for spec in planned.out_specs) or \
+            any(is_view(s) and s[0] in _WIDE for s in inputs.views(specs)):
+        return _refuse(refused_key, kernel, "64-bit floating point", planned)
+    ladder = parse_buckets(config.shape_buckets)
+    try:
+        buckets = tuple(bucket_for(v, ladder, f"a dynamic size of {kernel.name}") for v in distinct)
+    except ValueError:
+        return planned     # above the largest bucket: this shape compiles as it is
+    dyn_at = {where[i]: sharing[k] for k, i in enumerate(dynamic)}
+    boxes = _give_capacity(kernel, specs, dyn_at, buckets, ctx)
+    static_numbers = tuple(n for i, n in enumerate(numbers) if i not in set(dynamic))
+    # Whether each view's offset is a runtime input is the program's (a view of a whole storage of
+    # exactly its size reads from 0), not the family's.
+    offsets = tuple(v[inputs.OFFSET] is None for v in inputs.views(specs))
+    bkey = (signature, dynamic, sharing, static_numbers, offsets, buckets, tuple(ctx.storages))
+    program = _programs.get(bkey)
+    if program is None:
+        try:
+            program = _EagerProgram(kernel, values, specs, key[2], dyn_at, distinct, buckets, ctx)
+        except NoRule as err:
+            return _refuse(refused_key, kernel, f"{err.op}: {err.why}", planned)
+        _programs[bkey] = program
+    return program.executable(planned, distinct, boxes, specs, ctx)
+
+
+def _refuse(refused_key, kernel, why, planned):
+    _refused[refused_key] = why
+    return _fall_back(kernel, why, planned)
+
+
+def _fall_back(kernel, why, planned):
+    metrics.extra["bucketed_eager_fallbacks"] += 1
+    metrics.extra[f"bucketed_eager_fallback: {kernel.short_name} ({why})"] += 1
+    return planned
+
+
+def _give_capacity(kernel, specs, dyn_at, buckets, ctx):
+    """Each view with a dynamic dim: its storage given a bucket's capacity if it has none yet
+    (``memory.recapacity``, counted); the view specs with a dynamic dim, in reading order."""
+    boxes = []
+    for j, ((_, kind), spec) in enumerate(zip(kernel.inputs, specs)):
+        listed = kind in _LISTS and spec is not None
+        for p, s in enumerate(spec if listed else (spec,)):
+            at = ("spec", j, p if listed else None)
+            if is_view(s) and any((*at, d) in dyn_at for d in range(len(s[1]))):
+                padded = [buckets[dyn_at[(*at, d)]] if (*at, d) in dyn_at else size for d, size in enumerate(s[1])]
+                slot = s[inputs.SLOT]
+                rec = memory.allocator.records[ctx.addrs[slot]]
+                if not rec.boxed:
+                    how = memory.recapacity(rec, int(np.prod(padded)))
+                    metrics.extra[f"bucketed_recapacity_{how}"] += 1
+                    ctx.bufs[slot] = rec.buf
+                    ctx.storages[slot] = (rec.numel, rec.dtype)
+                boxes.append(s)
+    return boxes
+
+
+# -- one op as a symbolic graph ----------------------------------------------------------------------
+class _EagerProgram:
+    """One op traced for one bucket of its dynamic sizes, compiled once."""
+
+    def __init__(self, kernel, values, specs, statics, dyn_at, distinct, buckets, ctx):
+        self.kernel = kernel
+        shape_env = ShapeEnv()
+        self.symbols = [sympy.Symbol(f"s{k}", positive=True, integer=True) for k in range(len(distinct))]
+        syms = []
+        for k, v in enumerate(distinct):
+            sym = shape_env.create_symbol(v, source=_source(f"s{k}"))
+            if not isinstance(sym, sympy.Symbol):
+                raise NoRule(kernel.short_name, f"the size {v} is specialised")
+            syms.append(shape_env.create_symintnode(sym, hint=v))
+        self.symbols = [s.node.expr for s in syms]
+        graph = torch.fx.Graph()
+        self.reads = []          # per placeholder: ("view", spec, dynamic) | ("value", spec) | ("size",)
+        fake_values = list(values)
+        node_values = list(values)
+        mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+
+        def placeholder(val, read):
+            ph = graph.placeholder(f"a{len(self.reads)}")
+            ph.meta["val"] = val
+            self.reads.append(read)
+            return ph
+
+        with mode:
+            for j, ((i, kind), spec) in enumerate(zip(kernel.inputs, specs)):
+                v = values[i]
+                if kind in _LISTS and spec is not None:
+                    fakes, nodes = [], []
+                    for p, (t, s) in enumerate(zip(v, spec)):
+                        f = None if t is None else self._fake(t, s, ("spec", j, p), dyn_at, syms)
+                        fakes.append(f)
+                        nodes.append(None if t is None else placeholder(f, self._read(s, f)))
+                    fake_values[i], node_values[i] = fakes, nodes
+                    continue
+                if spec is None:
+                    continue
+                f = self._fake(v, spec, ("spec", j, None), dyn_at, syms)
+                fake_values[i] = f
+                node_values[i] = placeholder(f, self._read(spec, f))
+            for j, i in enumerate(kernel.static):
+                v = values[i]
+                if ("static", j, None) in dyn_at:
+                    s = syms[dyn_at[("static", j, None)]]
+                    fake_values[i] = s
+                    node_values[i] = placeholder(s, ("size",))
+                elif isinstance(v, list | tuple) and any(("static", j, p) in dyn_at for p in range(len(v))):
+                    fakes, nodes = [], []
+                    for p, x in enumerate(v):
+                        if ("static", j, p) in dyn_at:
+                            s = syms[dyn_at[("static", j, p)]]
+                            fakes.append(s)
+                            nodes.append(placeholder(s, ("size",)))
+                        else:
+                            fakes.append(x)
+                            nodes.append(x)
+                    fake_values[i], node_values[i] = fakes, nodes
+            pos, kw = kernel.split_call(fake_values)
+            try:
+                out = kernel.overload(*pos, **kw)
+            except Exception as err:  # noqa: BLE001 - no symbolic meta kernel: compiled per shape
+                raise NoRule(kernel.short_name, f"its meta kernel on symbolic sizes: {type(err).__name__}") from None
+        pos, kw = kernel.split_call(node_values)
+        node = graph.call_function(kernel.overload, tuple(pos), kw)
+        node.meta["val"] = out
+        if isinstance(out, list | tuple):
+            outs = []
+            for k, o in enumerate(out):
+                if o is None:
+                    continue
+                g = graph.call_function(__import__("operator").getitem, (node, k))
+                g.meta["val"] = o
+                outs.append(g)
+            graph.output(tuple(outs))
+        else:
+            graph.output((node,))
+        gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+        self.program = _Planned(gm, "eager", name=kernel.short_name, buckets=config.shape_buckets)
+        self.bucket_values = dict(zip(self.symbols, buckets))
+        outs = [k for k in self.program.output_kinds if k[0] == "array"]
+        if len(outs) != len(self.program.output_kinds):
+            raise NoRule(kernel.short_name, "a result that aliases an input")
+        self.device_index = ctx.device_index
+        self.nbufs, self.nruntime = len(ctx.bufs), len(ctx.runtime)
+        self.compiled = None
+        self.checks = ()
+
+    def _fake(self, t, spec, at, dyn_at, syms):
+        if spec.__class__ is type:                      # a runtime scalar
+            return t if not isinstance(t, torch.Tensor) else t.item()
+        if spec[0] == CPU_SCALAR:
+            return torch.empty((), dtype=t.dtype, device="cpu")
+        if spec[0] == EMPTY:
+            return torch.empty(spec[2], dtype=spec[1], device="neuron")
+        sizes = [syms[dyn_at[(*at, d)]] if (*at, d) in dyn_at else n for d, n in enumerate(spec[1])]
+        return torch.empty(sizes, dtype=spec[0], device="neuron")
+
+    @staticmethod
+    def _read(spec, fake):
+        if is_view(spec):
+            dynamic = any(isinstance(s, torch.SymInt) for s in fake.shape)
+            return ("view", spec, dynamic)
+        return ("value", spec)
+
+    def executable(self, planned, distinct, boxes, specs, ctx):
+        """The exact key's executable: this program with the call's true sizes, the strides of its
+        dynamic views (``boxes``) and its output layouts bound as its last inputs."""
+        extras = [np.asarray(v, np.int64) for v in distinct]
+        extras.extend(np.asarray(s[inputs.STRIDES], np.int64) for s in boxes)
+        for _, sizes, strides in planned.out_specs:
+            extras.append(np.asarray((*sizes, *strides), np.int64))
+        if self.compiled is None:
+            self.compile_with(ctx.bufs, ctx.runtime, extras, specs)
+        compiled = self.compiled
+
+        def call(*flat):
+            return compiled(*flat, *extras)
+
+        exe = Executable(call, self.kernel.short_name, (), planned.check_mode, self.checks,
+                         out_specs=planned.out_specs)
+        exe.boxed = True
+        return exe
+
+    def compile_with(self, bufs, runtime, extras, specs):
+        start = time.perf_counter()
+        trace = _EagerTrace(self, specs)
+
+        def run(*flat):
+            return trace(*flat)
+
+        sharding = jax.sharding.SingleDeviceSharding(pjrt.device(self.device_index))
+        try:
+            self.compiled = jax.jit(run, out_shardings=sharding).lower(*bufs, *runtime, *extras).compile()
+        except NoRule:
+            raise
+        except Exception as err:  # noqa: BLE001 - a node without a working rule: compiled per shape
+            error = getattr(err, "error", err)
+            if isinstance(error, NoRule):
+                raise error from None
+            raise NoRule(self.kernel.short_name, f"{type(error).__name__}: {error}") from None
+        self.checks = trace.checks
+        seconds = time.perf_counter() - start
+        metrics.compile_seconds += seconds
+        metrics.executables_compiled += 1
+        metrics.eager_compiles[_REASON] += 1
+        metrics.extra["bucketed_eager_compiles"] += 1
+
+
+def _source(name):
+    from torch._dynamo.source import ConstantSource
+    return ConstantSource(name)
+
+
+class _Planned(BucketedProgram):
+    """The planning of a bucketed graph, for one eager op: no per-shape fallback of its own."""
+
+    def _fall_back(self, err):
+        raise err
+
+
+class _EagerTrace(_Trace):
+    """(storage buffers..., the eager call's runtime values..., true sizes..., strides of each
+    dynamic view..., layouts of each output...)."""
+
+    def __init__(self, eager, specs):
+        p = eager.program
+        super().__init__(p, eager.bucket_values, specs, eager.nbufs, eager.nruntime)
+        self.eager = eager
+
+    def __call__(self, *flat):
+        e = self.eager
+        bufs = flat[:self.nbufs]
+        rt = iter(flat[self.nbufs:self.nbufs + self.nruntime])
+        rest = iter(flat[self.nbufs + self.nruntime:])
+        self.values = {s: next(rest) for s in e.symbols}
+        self.base_key = None
+        env = {}
+        for ph, read in zip(self.p.placeholders, e.reads):
+            v = ph.meta["val"]
+            if read[0] == "size":
+                env[ph] = _padded(v.node.expr, self.buckets)
+            elif read[0] == "view" and read[2]:
+                spec = read[1]
+                offset = next(rt) if spec[inputs.OFFSET] is None else 0
+                strides = next(rest)
+                env[ph] = self.read_box(bufs[spec[inputs.SLOT]], spec[0], _shape_exprs(v), offset,
+                                        [strides[d] for d in range(len(spec[1]))])
+            else:
+                env[ph], _ = inputs.read(read[1], bufs, rt)
+        return self.evaluate(env, list(rest))
+
+
+def apply_setting(value) -> None:
+    """Install the bucketer into eager kernels while ``config.shapes`` is "bucketed"."""
+    clear()
+    if value == "bucketed":
+        seams.seam("bucketer").install(bucketer)
+    else:
+        seams.seam("bucketer").uninstall()
