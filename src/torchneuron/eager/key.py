@@ -101,3 +101,20 @@ def store_name(key):
         return None
     return executable_store.key("eager", kernel.name, kernel.functional is not None, specs, statics,
                                 storages, device_index, default_dtype, config.float64, config.device_checks)
+
+
+def describe(key) -> str:
+    """An eager key as ``torchneuron cache verify`` names it: the op and its inputs' dtypes and
+    sizes ("add.Tensor(float32[2, 3], float32[2, 3])")."""
+    kernel, specs = key[0], key[1]
+    shown = []
+    for (_, kind), spec in zip(kernel.inputs, specs):
+        items = spec if kind in (TENSOR_LIST, OPT_TENSOR_LIST) and spec is not None else (spec,)
+        for s in items:
+            if is_view(s):
+                shown.append(f"{str(s[0]).removeprefix('torch.')}{list(s[1])}")
+            elif isinstance(s, tuple) and len(s) > 1 and isinstance(s[1], torch.dtype):  # empty, CPU scalar
+                shown.append(f"{s[0]} {str(s[1]).removeprefix('torch.')}{list(s[2]) if len(s) > 2 else ''}")
+            elif s is not None:
+                shown.append(getattr(s, "__name__", repr(s)))
+    return f"{kernel.short_name}({', '.join(shown)})"
