@@ -117,4 +117,20 @@ def describe(key) -> str:
                 shown.append(f"{s[0]} {str(s[1]).removeprefix('torch.')}{list(s[2]) if len(s) > 2 else ''}")
             elif s is not None:
                 shown.append(getattr(s, "__name__", repr(s)))
-    return f"{kernel.short_name}({', '.join(shown)})"
+    statics = ", ".join(_thawed(v) for v in key[2])
+    return f"{kernel.short_name}({'; '.join(x for x in (', '.join(shown), statics) if x)})"
+
+
+def _thawed(v) -> str:
+    """A compiled-in argument as the user wrote it (``freeze`` undone), for messages."""
+    if isinstance(v, tuple):
+        if len(v) == 2 and v[0] is float:
+            return repr(float.fromhex(v[1]))
+        if len(v) == 2 and v[0] is bool:
+            return repr(v[1])
+        if len(v) == 3 and v[0] is complex:
+            return repr(complex(float.fromhex(v[1]), float.fromhex(v[2])))
+        return "(" + ", ".join(_thawed(x) for x in v) + ("," if len(v) == 1 else "") + ")"
+    if isinstance(v, torch.dtype | torch.device):
+        return str(v).removeprefix("torch.")
+    return repr(v)

@@ -105,25 +105,24 @@ def fingerprint() -> str:
     return hashlib.sha256(json.dumps(fingerprint_details(), sort_keys=True).encode()).hexdigest()
 
 
-def fingerprint_differences(details: dict, here: dict | None = None) -> list[str]:
+def fingerprint_differences(details: dict, here: dict | None = None, where: str = "in the cache") -> list[str]:
     """Each part in which an entry's fingerprint details differ from this installation's, naming
     both sides ("torch 2.4.0 in the cache, 2.5.1 here"); [] when they agree."""
     here = here or fingerprint_details()
     if not details:
-        return ["the entry does not say what it was written under (an earlier torchneuron wrote it)"]
+        return ["it does not say what it was written under (an earlier torchneuron wrote it)"]
     found = []
     if details.get("format") != here["format"]:
-        found.append(f"entry format {details.get('format')} in the cache, {here['format']} here")
+        found.append(f"entry format {details.get('format')} {where}, {here['format']} here")
     for part in ("versions", "platform"):
         theirs, ours = details.get(part) or {}, here[part]
         for name in ours:
             if theirs.get(name) != ours[name]:
-                found.append(f"{name} {theirs.get(name)!r} in the cache, {ours[name]!r} here"
-                             if part == "platform" else
-                             f"{name} {theirs.get(name)} in the cache, {ours[name]} here")
+                shown = repr if part == "platform" else str
+                found.append(f"{name} {shown(theirs.get(name))} {where}, {shown(ours[name])} here")
     if details.get("sources") != here["sources"]:
         found.append(f"torchneuron sources ({', '.join(FINGERPRINTED)}) differ: digest "
-                     f"{str(details.get('sources'))[:12]} in the cache, {here['sources'][:12]} here")
+                     f"{str(details.get('sources'))[:12]} {where}, {here['sources'][:12]} here")
     return found
 
 
