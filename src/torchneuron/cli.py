@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 
+from . import cache_tools
 from .report import analyze, render
 from .report.api import load_run
 from .report.devmap import compose, parse
@@ -317,8 +318,6 @@ def env_command(argv: list[str]) -> int:
 
 
 def cache_command(argv: list[str]) -> int:
-    from . import cache_tools
-
     opts, command = argv, None
     if "--" in argv:
         split = argv.index("--")
