@@ -107,28 +107,37 @@ def test_verify_lists_what_a_new_shape_compiles_and_fails(warm, tmp_path, capsys
     assert out.rstrip().endswith(" compiled") and ", 0 compiled" not in out
 
 
-def test_an_entry_under_another_fingerprint_is_named_with_what_differs(warm, tmp_path, capsys):
-    """The warm entry of sin() rewritten as if another torch wrote it: its file name (which holds
-    the fingerprint) no longer matches, and verify says which part of the fingerprint differs."""
-    folder, _, _ = warm
-    deployed = _unpacked(warm, tmp_path, capsys)
-    for path in (deployed / "eager").glob("*.tnexe"):
+def _entry(folder, op):
+    """(path, header, bytes) of the stored eager entry of ``op``."""
+    for path in (folder / "eager").glob("*.tnexe"):
         data = path.read_bytes()
         header_end = data.index(b"\n", len(executable_store.MAGIC))
         header = json.loads(data[len(executable_store.MAGIC):header_end])
-        if header["what"].startswith("sin("):
-            break
-    else:
-        raise AssertionError("no stored entry of sin()")
+        if header["what"].startswith(op + "("):
+            return path, header, data, header_end + 1
+    raise AssertionError(f"no stored entry of {op}()")
+
+
+def test_verify_names_another_fingerprint_and_a_load_failure(warm, tmp_path, capsys):
+    """The warm entry of sin() rewritten as if another torch wrote it (its file name, which holds
+    the fingerprint, no longer matches), and the entry of add() cut short: verify says which part of
+    the fingerprint differs, and what failed to load."""
+    folder, _, _ = warm
+    deployed = _unpacked(warm, tmp_path, capsys)
+    path, header, data, body = _entry(deployed, "sin")
     header["fingerprint"] = "0" * 64
     header["details"]["versions"]["torch"] = "1.0.0"
     path.unlink()
     (deployed / "eager" / ("f" * 64 + ".tnexe")).write_bytes(
-        executable_store.MAGIC + json.dumps(header).encode() + data[header_end:])
+        executable_store.MAGIC + json.dumps(header).encode() + b"\n" + data[body:])
+    path, _, data, body = _entry(deployed, "add.Tensor")
+    path.write_bytes(data[:body + 10])
     status, out = _verify(deployed, str(folder / "warm.py"), capsys)
     assert status == 1, out
     assert (f"compiled eager sin(float32[2, 3]): present under another fingerprint: torch 1.0.0 in the cache, "
             f"{torch.__version__} here") in out
+    assert "compiled eager add.Tensor(float32[2, 3], int, int): load failure: " in out
+    assert out.rstrip().endswith(" served from the cache, 2 compiled")
 
 
 def _rewritten(archive, target, edit_manifest=None, extra=None):

@@ -137,7 +137,8 @@ def info(directory: str) -> int:
                                                          ["another fingerprint"])
         lines.append(label)
     if found["unknown_entries"]:
-        lines.append(f"{found['unknown_entries']} entries of an earlier format (never used here)")
+        lines.append(f"{found['unknown_entries']} entries without a readable header (an earlier format, or damaged; "
+                     "never used here)")
     print(f"{'fingerprints':14} " + ("\n" + " " * 15).join(lines or ["none"]))
     return 0
 
