@@ -2,12 +2,20 @@
 
     torchneuron check [options] -- python train.py ARGS...     migration-readiness report
     torchneuron env [--json]                                   version manifest of this machine
+    torchneuron cache info [--cache-dir DIR]                   what the compile cache holds
+    torchneuron cache pack ARCHIVE [--cache-dir DIR]           the compile cache as one tar.gz
+    torchneuron cache unpack ARCHIVE [--cache-dir DIR]         merge an archive into the compile cache
+    torchneuron cache verify [--cache-dir DIR] -- python app.py ARGS...
+                                                               list what a run compiles despite the cache
 
 ``check`` runs the unmodified script in a child process under a collector (and, when asked, again
 on CPU as a numerical and performance baseline, and again as a warm start), then writes
 report.md, report.html and report.json. Exit status: 0 ready, 1 problems at or above --fail-on,
 2 the command could not be run (invalid options, checked before anything runs; an unwritable report
 folder), 128+N stopped by signal N (the script is stopped with it).
+
+``cache verify`` exits 0 when the cache served every executable the run needed, 1 when some had
+to be compiled (each is listed with why), 2 when it could not verify (no cache, the script failed).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import sys
 import tempfile
 import threading
 
+from . import cache_tools
 from .report import analyze, render
 from .report.api import load_run
 from .report.devmap import compose, parse
@@ -49,7 +58,7 @@ def _terminate(signum, frame):
     raise Terminated(signum)
 
 
-def _split_command(command: list[str]) -> tuple[list[str], list[str]]:
+def _split_command(command: list[str], prog: str = "torchneuron check") -> tuple[list[str], list[str]]:
     """["python", "-u", "train.py", "--lr", "1"] -> (["python", "-u"], ["train.py", "--lr", "1"])."""
     if not command:
         raise UsageError("give the command after --, e.g. -- python train.py")
@@ -57,8 +66,8 @@ def _split_command(command: list[str]) -> tuple[list[str], list[str]]:
     if first.endswith(".py"):
         return [sys.executable], command
     if not os.path.basename(first).startswith("python"):
-        raise UsageError(f"torchneuron check runs Python programs; got {first!r}. "
-                         "Use: torchneuron check -- python train.py ARGS")
+        raise UsageError(f"{prog} runs Python programs; got {first!r}. "
+                         f"Use: {prog} -- python train.py ARGS")
     exe = shutil.which(first) or first
     interp, rest = [exe], command[1:]
     while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-c"):
@@ -308,13 +317,50 @@ def env_command(argv: list[str]) -> int:
     return 0
 
 
+def cache_command(argv: list[str]) -> int:
+    opts, command = argv, None
+    if "--" in argv:
+        split = argv.index("--")
+        opts, command = argv[:split], argv[split + 1:]
+    p = argparse.ArgumentParser(prog="torchneuron cache",
+                                description="Inspect, ship and check the persistent compile cache.")
+    sub = p.add_subparsers(dest="action", required=True, metavar="info|pack|unpack|verify")
+    help_dir = "the cache folder (default: config.cache_dir, TORCHNEURON_CACHE_DIR)"
+    sub.add_parser("info", help="entries per kind, bytes and fingerprints").add_argument("--cache-dir", help=help_dir)
+    for action, what in (("pack", "write the cache folder and a manifest to ARCHIVE (tar.gz)"),
+                         ("unpack", "merge ARCHIVE into the cache folder")):
+        sp = sub.add_parser(action, help=what)
+        sp.add_argument("archive", metavar="ARCHIVE")
+        sp.add_argument("--cache-dir", help=help_dir)
+    sp = sub.add_parser("verify", usage="torchneuron cache verify [--cache-dir DIR] -- python app.py ARGS...",
+                        help="run a script on a copy of the cache and list what it compiled anyway")
+    sp.add_argument("--cache-dir", help=help_dir)
+    args = p.parse_args(opts)
+    prog = f"torchneuron cache {args.action}"
+    try:
+        directory = cache_tools.cache_dir(args.cache_dir)
+        if args.action == "info":
+            return cache_tools.info(directory)
+        if args.action == "pack":
+            return cache_tools.pack(args.archive, directory)
+        if args.action == "unpack":
+            return cache_tools.unpack(args.archive, directory)
+        if not command:
+            raise UsageError("give the command to run after --, e.g. torchneuron cache verify -- python app.py")
+        interp, script_argv = _split_command(command, prog)
+        return cache_tools.verify(directory, interp, script_argv)
+    except (UsageError, cache_tools.CacheToolError) as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return UNUSABLE
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = __doc__.strip().split("\n\n")[1]
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
-    command = {"check": check, "env": env_command}.get(argv[0])
+    command = {"check": check, "env": env_command, "cache": cache_command}.get(argv[0])
     if command is None:
         print(f"torchneuron: unknown command {argv[0]!r}\n\n{usage}", file=sys.stderr)
         return 2

@@ -148,6 +148,11 @@ def graph_key(graph_hash: str, signature, device_index: int) -> str:
     return executable_store.key(graph_hash, signature, device_index)
 
 
+def enabled() -> bool:
+    """Whether graphs are kept on disk (config.cache_dir is set and usable)."""
+    return bool(_configure())
+
+
 def load_graph(key: str, devices):
     """(loaded executable, metadata dict) for an indexed graph, or None."""
     if not _configure():

@@ -10,10 +10,11 @@ import hashlib
 import time
 
 import jax
+import torch
 
 from ..config import config
 from ..metrics import metrics
-from ..runtime import pjrt
+from ..runtime import executable_store, pjrt
 from ..runtime.executable import Executable
 from . import cache
 
@@ -56,13 +57,20 @@ def cached(graph_hash, key, device_index, need_trace: bool):
     exe = Executable(compiled, meta["name"], tuple(meta["writes"]), config.device_checks,
                      tuple(meta.get("checks", ())), n_new=meta["n_new"], n_host=meta["n_host"],
                      host_writes=tuple(meta["host_writes"]))
+    if executable_store.logging_lookups():
+        executable_store.log("served", "graphs", meta.get("what") or meta["name"])
     _shared[shared_key] = exe
     return exe
 
 
-def compile_traced(fn, bufs, runtime):
+# Why a graph compiled without looking in the graph index (``not_indexed`` of compile_traced).
+BUCKETED = "bucketed graphs are kept in JAX's compilation cache only, which had no entry for this one"
+
+
+def compile_traced(fn, bufs, runtime, index=None, not_indexed=BUCKETED):
     """(lowered, compiled, persistent-cache hits) of ``fn`` traced on the call's inputs; the time
-    it takes is counted as compile time."""
+    it takes is counted as compile time. ``index`` is the (graph hash, input signature, device)
+    the graph index was asked for, None when it was not asked (``not_indexed`` says why)."""
     start = time.perf_counter()
     with cache.graph_compile_context() as hits:
         lowered = jax.jit(fn).lower(*bufs, *runtime)
@@ -75,7 +83,31 @@ def compile_traced(fn, bufs, runtime):
     else:
         metrics.graphs_compiled += 1
         metrics.executables_compiled += 1
+    if executable_store.logging_lookups():
+        if hits.count:
+            executable_store.log("served", "graphs", describe(fn), "JAX compilation cache")
+        elif index is not None:
+            executable_store.log("compiled", "graphs", describe(fn),
+                                 *executable_store.miss_reason("graphs", _disk_key(*index)))
+        elif not cache.enabled():
+            executable_store.log("compiled", "graphs", describe(fn),
+                                 *executable_store.miss_reason("graphs", None))
+        else:
+            executable_store.log("compiled", "graphs", describe(fn), not_indexed)
     return lowered, compiled, hits.count
+
+
+def describe(fn) -> str:
+    """A traced graph as ``torchneuron cache verify`` names it: its kind, name, the start of its
+    hash and its inputs' dtypes and sizes."""
+    program = getattr(fn, "p", None)
+    if program is None:
+        return getattr(fn, "__name__", "graph")
+    shown = [f"{str(s[0]).removeprefix('torch.')}{list(s[1])}" for s in getattr(fn, "specs", ())
+             if isinstance(s, tuple) and len(s) > 1 and isinstance(s[0], torch.dtype)]
+    digest_text = getattr(program, "graph_hash", "")[:12]
+    return f"{program.kind} graph {program.name}" + (f" [{digest_text}]" if digest_text else "") + \
+        f"({', '.join(shown)})"
 
 
 def remember(graph_hash, key, device_index, exe: Executable, compiled, from_jax_cache: bool,

@@ -221,8 +221,8 @@ class GraphProgram:
         if self.executables:
             metrics.recompiles[f"{self.kind} graph called with a new input layout "
                                "(dtype/shape/strides/storage size/aliasing)"] += 1
-        exe = executables.cached(self.graph_hash, key, device_index,
-                                 need_trace=bool(self.dump_dir or config.dump_dir or self.custom_kernels))
+        need_trace = bool(self.dump_dir or config.dump_dir or self.custom_kernels)
+        exe = executables.cached(self.graph_hash, key, device_index, need_trace=need_trace)
         if exe is not None:
             return exe
         fn = Interpreter(self, specs, len(bufs))
@@ -230,7 +230,10 @@ class GraphProgram:
         # deterministic across processes.
         fn.__name__ = f"neuron_{self.kind}"
         try:
-            lowered, compiled, jax_cache_hits = executables.compile_traced(fn, bufs, runtime)
+            lowered, compiled, jax_cache_hits = executables.compile_traced(
+                fn, bufs, runtime, index=None if need_trace else (self.graph_hash, key, device_index),
+                not_indexed="graphs with custom kernels, or dumped graphs, are looked up in JAX's "
+                            "compilation cache only, which had no entry for this one")
         except NodeFailure as failure:
             err = lowering_error(failure.node, self.kind, f"{type(failure.error).__name__}: {failure.error}")
             if self.fallback == "eager":

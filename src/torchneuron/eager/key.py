@@ -101,3 +101,36 @@ def store_name(key):
         return None
     return executable_store.key("eager", kernel.name, kernel.functional is not None, specs, statics,
                                 storages, device_index, default_dtype, config.float64, config.device_checks)
+
+
+def describe(key) -> str:
+    """An eager key as ``torchneuron cache verify`` names it: the op and its inputs' dtypes and
+    sizes ("add.Tensor(float32[2, 3], float32[2, 3])")."""
+    kernel, specs = key[0], key[1]
+    shown = []
+    for (_, kind), spec in zip(kernel.inputs, specs):
+        items = spec if kind in (TENSOR_LIST, OPT_TENSOR_LIST) and spec is not None else (spec,)
+        for s in items:
+            if is_view(s):
+                shown.append(f"{str(s[0]).removeprefix('torch.')}{list(s[1])}")
+            elif isinstance(s, tuple) and len(s) > 1 and isinstance(s[1], torch.dtype):  # empty, CPU scalar
+                shown.append(f"{s[0]} {str(s[1]).removeprefix('torch.')}{list(s[2]) if len(s) > 2 else ''}")
+            elif s is not None:
+                shown.append(getattr(s, "__name__", repr(s)))
+    statics = ", ".join(_thawed(v) for v in key[2])
+    return f"{kernel.short_name}({'; '.join(x for x in (', '.join(shown), statics) if x)})"
+
+
+def _thawed(v) -> str:
+    """A compiled-in argument as the user wrote it (``freeze`` undone), for messages."""
+    if isinstance(v, tuple):
+        if len(v) == 2 and v[0] is float:
+            return repr(float.fromhex(v[1]))
+        if len(v) == 2 and v[0] is bool:
+            return repr(v[1])
+        if len(v) == 3 and v[0] is complex:
+            return repr(complex(float.fromhex(v[1]), float.fromhex(v[2])))
+        return "(" + ", ".join(_thawed(x) for x in v) + ("," if len(v) == 1 else "") + ")"
+    if isinstance(v, torch.dtype | torch.device):
+        return str(v).removeprefix("torch.")
+    return repr(v)

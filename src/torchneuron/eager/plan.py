@@ -27,7 +27,7 @@ from ..runtime.dtypes import device_dtype, dtype_name, jax_dtype, torch_dtype
 from ..runtime.executable import Executable
 from ..runtime.inputs import is_view
 from . import oracle
-from .key import store_name
+from .key import describe, store_name
 
 
 class Planning:
@@ -168,6 +168,8 @@ class Planning:
             exe.traced.checks = tuple(loaded[1].get("checks", ()))   # pickled with the entry
             exe.split_single()
             metrics.eager_cache_loads += 1
+            if executable_store.logging_lookups():
+                executable_store.log("served", "eager", describe(exe.key))
             results = exe.call(*bufs, *runtime)
             metrics.compile_seconds += time.perf_counter() - start
             return results
@@ -194,7 +196,10 @@ class Planning:
             if name is not None:
                 # The executable jit just compiled (its lowering and compile are cached in memory).
                 executable_store.store("eager", name, lambda: jitted.lower(*bufs, *runtime).compile(),
-                                       {"op": self.short_name, "checks": traced.checks})
+                                       {"op": self.short_name, "checks": traced.checks}, describe(exe.key))
+        if executable_store.logging_lookups():
+            executable_store.log("compiled", "eager", describe(exe.key),
+                                 *executable_store.miss_reason("eager", name))
         exe.split_single()
         metrics.compile_seconds += time.perf_counter() - start
         metrics.executables_compiled += 1

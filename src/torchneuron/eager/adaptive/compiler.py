@@ -13,6 +13,7 @@ import jax
 
 from ...config import config
 from ...metrics import metrics
+from ...runtime import executable_store
 from ..plan import sharding
 from . import plans
 
@@ -155,6 +156,10 @@ def _compile(seg, device, sample):
         metrics.region_compiles += 1
         # Custom kernels (torchneuron.kernel) are named with their namespace, ATen ops not.
         metrics.custom_kernel_compiles.update({exe.name for exe, *_ in seg.ops if "::" in exe.name})
+        if executable_store.logging_lookups():
+            executable_store.log("compiled", "regions", f"adaptive-eager region of {len(seg.ops)} ops",
+                                 "fused regions are compiled in the background and never kept on disk",
+                                 cacheable=False)
     seconds = time.perf_counter() - start
     metrics.region_compile_seconds += seconds
     budget.settle(len(seg.ops), seconds)
