@@ -78,7 +78,8 @@ _PASS = frozenset({
     "scalar_tensor.default", "full.default", "ones.default", "zeros.default", "empty.memory_format",
     "full_like.default", "zeros_like.default", "ones_like.default", "empty_like.default",
     "new_zeros.default", "new_ones.default", "new_full.default", "new_empty.default",
-    "empty_strided.default", "copy.default", "cumsum.default", "cumprod.default", "_unsafe_view.default", "view.default", "reshape.default",
+    "empty_strided.default", "copy.default", "fill.Scalar", "fill_.Scalar", "fill.Tensor", "fill_.Tensor",
+    "zero.default", "zero_.default", "cumsum.default", "cumprod.default", "_unsafe_view.default", "view.default", "reshape.default",
 })
 
 
@@ -97,8 +98,8 @@ _AGNOSTIC = frozenset({
     "detach.default", "lift_fresh_copy.default", "contiguous.default", "scalar_tensor.default",
     "full.default", "ones.default", "zeros.default", "empty.memory_format", "full_like.default",
     "zeros_like.default", "ones_like.default", "empty_like.default", "new_zeros.default",
-    "new_ones.default", "new_full.default", "new_empty.default", "copy.default",
-    "view.default", "_unsafe_view.default", "reshape.default",
+    "new_ones.default", "new_full.default", "new_empty.default", "copy.default", "fill.Scalar",
+    "fill_.Scalar", "fill.Tensor", "fill_.Tensor", "zero.default", "zero_.default", "view.default", "_unsafe_view.default", "reshape.default",
     "sum.dim_IntList", "sum.default", "nansum.default", "mean.dim", "mean.default", "amax.default",
     "max.default", "amin.default", "min.default", "prod.dim_int", "prod.default", "any.dim", "any.dims",
     "any.default", "all.dim", "all.dims", "all.default", "logsumexp.default", "var.correction",
@@ -240,6 +241,8 @@ def _is_static(expr) -> bool:
 class BucketedProgram:
     """A symbolic ATen graph compiled once per bucket of its symbols (boxed call, like GraphProgram)."""
 
+    allow_inplace = False   # graphs with in-place updates compile per shape
+
     def __init__(self, gm, kind, *, fallback="error", name="graph", dump_dir=None, buckets=None):
         self.gm, self.kind, self.fallback, self.name, self.dump_dir = gm, kind, fallback, name, dump_dir
         self._boxed_call = True
@@ -325,7 +328,7 @@ class BucketedProgram:
             sig = signature_for(target, config.platform)
             if sig is None:
                 raise NoRule(name, "the op has no neuron lowering")
-            if sig.mutated:
+            if sig.mutated and not self.allow_inplace:
                 raise NoRule(name, "in-place updates are not bucketed yet")
             if sig.lowering.random and name not in _RANDOM_ELEMENTWISE:
                 raise NoRule(name, "random ops other than elementwise ones are not bucketed yet")
@@ -514,6 +517,16 @@ class BucketedProgram:
         self.output_kinds = kinds
 
 
+def give_capacity(rec, box: int) -> None:
+    """A storage a bucketed executable reads as a dynamic input, given a bucket's capacity if it has
+    none yet (``memory.recapacity``), counted by how."""
+    if not rec.boxed:
+        how = memory.recapacity(rec, box)
+        metrics.extra[f"bucketed_recapacity_{how}"] += 1
+        if how == "device":   # a small program compiled for this size
+            metrics.extra["bucketed_pad_compiles"] += 1
+
+
 def box_input(ins, a, box: int) -> tuple:
     """The part of a bucketed executable's key for a neuron tensor ``a`` with dynamic sizes, read from
     its storage as a padded box of ``box`` elements: its slot. Its offset and strides are the next
@@ -524,17 +537,13 @@ def box_input(ins, a, box: int) -> tuple:
         ins.device_index = rec.device_index
     elif rec.device_index != ins.device_index:
         raise device_mismatch_error(a, ins.device_index)
-    if not rec.boxed:
-        how = memory.recapacity(rec, box)
-        metrics.extra[f"bucketed_recapacity_{how}"] += 1
-        if how == "device":
-            metrics.extra["bucketed_pad_compiles"] += 1
+    give_capacity(rec, box)
     addr = memory.storage_address(a)
     slot = ins.slots.get(addr)
     if slot is None:
-        slot = ins._add_storage(addr, rec, rec.buf)
+        slot = ins._add_storage(addr, rec, memory.empty_buffer(rec))
     else:
-        ins.bufs[slot] = rec.buf
+        ins.bufs[slot] = memory.empty_buffer(rec)
         ins.storages[slot] = (rec.numel, rec.dtype)
     ins.runtime.append(np.asarray((a.storage_offset(), *a.stride()), np.int64))
     return slot
@@ -595,6 +604,24 @@ class _Trace:
         """Every node, then each new output written into a buffer of its box's capacity laid out as
         its true tensor (``out_layouts``: runtime (*sizes, *strides) of each), then the outcome of
         the device checks."""
+        found = self.run_steps(env)
+        results = []
+        for kind, what in self.p.output_kinds:
+            if kind != "array":
+                continue
+            out, j = what
+            exprs = _shape_exprs(out.meta["val"])
+            nd = len(exprs)
+            vec = out_layouts[j]
+            results.append(dyn.box_write(self.result(env, out), self.box_dims(exprs), [vec[d] for d in range(nd)],
+                                         [vec[nd + d] for d in range(nd)]))
+        if found:
+            results.append(checks.pack(found))
+        return tuple(results)
+
+    def run_steps(self, env) -> list:
+        """Evaluate every node into ``env``; the device checks they made (``self.checks`` names
+        them with their ops)."""
         p = self.p
         found = []
         with checks.collecting() if p.device_checks != "off" else checks.suspended() as sink:
@@ -610,23 +637,14 @@ class _Trace:
                 if sink is not None and len(sink) > before:
                     found.extend((entry, sig.name) for entry in sink[before:])
         self.checks = tuple((entry[-1], op) for entry, op in found)
-        results = []
-        for kind, what in p.output_kinds:
-            if kind != "array":
-                continue
-            out, j = what
-            val = out.meta["val"]
-            value = env[out]
-            want = jax_dtype(val.dtype)
-            value = value.astype(want) if value.dtype != want else value
-            exprs = _shape_exprs(val)
-            nd = len(exprs)
-            vec = out_layouts[j]
-            results.append(dyn.box_write(value, self.box_dims(exprs), [vec[d] for d in range(nd)],
-                                         [vec[nd + d] for d in range(nd)]))
-        if found:
-            results.append(checks.pack([entry for entry, _ in found]))
-        return tuple(results)
+        return [entry for entry, _ in found]
+
+    @staticmethod
+    def result(env, out):
+        """The value of output node ``out`` in its fake tensor's dtype."""
+        value = env[out]
+        want = jax_dtype(out.meta["val"].dtype)
+        return value.astype(want) if value.dtype != want else value
 
     # -- sizes -------------------------------------------------------------------------------------
     def padded_int(self, expr) -> int:

@@ -33,11 +33,23 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from .. import seams
 from ..config import config
 from ..metrics import metrics
-from ..ops.signature import OPT_TENSOR_LIST, TENSOR_LIST
+from ..ops import checks
+from ..ops import dynamic as dyn
+from ..ops.signature import OPT_TENSOR_LIST, TENSOR_LIST, registry_name
 from ..runtime import inputs, memory, pjrt, sites
 from ..runtime.executable import Executable
 from ..runtime.inputs import CPU_SCALAR, EMPTY, is_view
-from .dynamic import BucketedProgram, NoRule, _padded, _shape_exprs, _Trace, bucket_for, parse_buckets
+from .dynamic import (
+    _RANDOM_ELEMENTWISE,
+    BucketedProgram,
+    NoRule,
+    _padded,
+    _shape_exprs,
+    _Trace,
+    bucket_for,
+    give_capacity,
+    parse_buckets,
+)
 
 _REASON = "a new shape bucket (config.shapes='bucketed')"
 _LISTS = (TENSOR_LIST, OPT_TENSOR_LIST)
@@ -134,7 +146,10 @@ def _view_free(spec, at, numbers, where):
 def bucketer(kernel, key, values, specs, ctx, planned):
     """The executable for a call that missed the exact cache: a bucketed one when sizes of this op
     varied before and it has a rule, else ``planned`` (the exact executable, not compiled yet)."""
-    if planned.writes or kernel.lowering.random:
+    inplace = bool(planned.writes)
+    if inplace and not _plain_inplace(kernel, planned, values):
+        return planned
+    if kernel.lowering.random and registry_name(kernel.overload) not in _RANDOM_ELEMENTWISE:
         return planned
     free_specs, free_statics, numbers, where = _shape_free(kernel, specs, key[2])
     if not numbers:
@@ -178,6 +193,15 @@ def bucketer(kernel, key, values, specs, ctx, planned):
     return program.executable(planned, distinct, boxes, specs, ctx)
 
 
+def _plain_inplace(kernel, planned, values) -> bool:
+    """An in-place op this path serves: it writes only ``self`` (of the buffer's own dtype) and
+    returns it."""
+    if kernel.mutated != [0] or planned.out_specs or len(planned.writes) != 1:
+        return False
+    t = values[0]
+    return isinstance(t, torch.Tensor) and memory.record_of(t).dtype is t.dtype
+
+
 def _refuse(refused_key, kernel, why, planned):
     _refused[refused_key] = why
     return _fall_back(kernel, why, planned)
@@ -202,9 +226,8 @@ def _give_capacity(kernel, specs, dyn_at, buckets, ctx):
                 slot = s[inputs.SLOT]
                 rec = memory.allocator.records[ctx.addrs[slot]]
                 if not rec.boxed:
-                    how = memory.recapacity(rec, int(np.prod(padded)))
-                    metrics.extra[f"bucketed_recapacity_{how}"] += 1
-                    ctx.bufs[slot] = rec.buf
+                    give_capacity(rec, int(np.prod(padded)))
+                    ctx.bufs[slot] = memory.empty_buffer(rec)
                     ctx.storages[slot] = (rec.numel, rec.dtype)
                 boxes.append(s)
     return boxes
@@ -216,6 +239,10 @@ class _EagerProgram:
 
     def __init__(self, kernel, values, specs, statics, dyn_at, distinct, buckets, ctx):
         self.kernel = kernel
+        # An in-place op is traced as its functional twin where it has one (``add_`` -> ``add``),
+        # else as itself; its new value of self is written back into self's storage.
+        self.inplace = kernel.mutated == [0]
+        target = kernel.functional if self.inplace and kernel.functional is not None else kernel.overload
         shape_env = ShapeEnv()
         self.symbols = [sympy.Symbol(f"s{k}", positive=True, integer=True) for k in range(len(distinct))]
         syms = []
@@ -272,12 +299,13 @@ class _EagerProgram:
                     fake_values[i], node_values[i] = fakes, nodes
             pos, kw = kernel.split_call(fake_values)
             try:
-                out = kernel.overload(*pos, **kw)
+                out = target(*pos, **kw)
             except Exception as err:  # noqa: BLE001 - no symbolic meta kernel: compiled per shape
                 raise NoRule(kernel.short_name, f"its meta kernel on symbolic sizes: {type(err).__name__}") from None
         pos, kw = kernel.split_call(node_values)
-        node = graph.call_function(kernel.overload, tuple(pos), kw)
+        node = graph.call_function(target, tuple(pos), kw)
         node.meta["val"] = out
+        self.node = node
         if isinstance(out, list | tuple):
             outs = []
             for k, o in enumerate(out):
@@ -293,7 +321,7 @@ class _EagerProgram:
         self.program = _Planned(gm, "eager", name=kernel.short_name, buckets=config.shape_buckets)
         self.bucket_values = dict(zip(self.symbols, buckets))
         outs = [k for k in self.program.output_kinds if k[0] == "array"]
-        if len(outs) != len(self.program.output_kinds):
+        if len(outs) != len(self.program.output_kinds) and not self.inplace:
             raise NoRule(kernel.short_name, "a result that aliases an input")
         self.device_index = ctx.device_index
         self.nbufs, self.nruntime = len(ctx.bufs), len(ctx.runtime)
@@ -331,7 +359,7 @@ class _EagerProgram:
         def call(*flat):
             return compiled(*flat, *extras)
 
-        exe = Executable(call, self.kernel.short_name, (), planned.check_mode, self.checks,
+        exe = Executable(call, self.kernel.short_name, planned.writes, planned.check_mode, self.checks,
                          out_specs=planned.out_specs)
         exe.boxed = True
         return exe
@@ -369,6 +397,8 @@ def _source(name):
 class _Planned(BucketedProgram):
     """The planning of a bucketed graph, for one eager op: no per-shape fallback of its own."""
 
+    allow_inplace = True   # one in-place op: the eager trace writes its new value of self back
+
     def _fall_back(self, err):
         raise err
 
@@ -385,12 +415,16 @@ class _EagerTrace(_Trace):
     def __call__(self, *flat):
         e = self.eager
         bufs = flat[:self.nbufs]
-        rt = iter(flat[self.nbufs:self.nbufs + self.nruntime])
+        runtime = flat[self.nbufs:self.nbufs + self.nruntime]
+        rt = iter(runtime)
         rest = iter(flat[self.nbufs + self.nruntime:])
         self.values = {s: next(rest) for s in e.symbols}
         self.base_key = None
+        if e.kernel.lowering.random:   # the eager call's generator inputs come last
+            self.base_key = jax.random.fold_in(jax.random.key(runtime[-2]), runtime[-1])
         env = {}
-        for ph, read in zip(self.p.placeholders, e.reads):
+        written = None     # (view spec, offset, strides or None) of self, for an in-place op
+        for n, (ph, read) in enumerate(zip(self.p.placeholders, e.reads)):
             v = ph.meta["val"]
             if read[0] == "size":
                 env[ph] = _padded(v.node.expr, self.buckets)
@@ -398,11 +432,30 @@ class _EagerTrace(_Trace):
                 spec = read[1]
                 offset = next(rt) if spec[inputs.OFFSET] is None else 0
                 strides = next(rest)
-                env[ph] = self.read_box(bufs[spec[inputs.SLOT]], spec[0], _shape_exprs(v), offset,
-                                        [strides[d] for d in range(len(spec[1]))])
+                strides = [strides[d] for d in range(len(spec[1]))]
+                env[ph] = self.read_box(bufs[spec[inputs.SLOT]], spec[0], _shape_exprs(v), offset, strides)
+                if n == 0:
+                    written = (spec, offset, strides)
             else:
-                env[ph], _ = inputs.read(read[1], bufs, rt)
-        return self.evaluate(env, list(rest))
+                env[ph], offset = inputs.read(read[1], bufs, rt)
+                if n == 0 and read[0] == "view":
+                    written = (read[1], offset, None)
+        if not e.inplace:
+            return self.evaluate(env, list(rest))
+        found = self.run_steps(env)
+        out = e.node
+        value = self.result(env, out)
+        spec, offset, strides = written
+        slot = spec[inputs.SLOT]
+        if strides is None:            # self has no dynamic dim: written as eager writes it
+            new_bufs = {}
+            inputs.write_back(new_bufs, bufs, spec, value, offset)
+            new_buf = new_bufs[slot]
+        else:
+            flat = bufs[slot]
+            new_buf = dyn.box_scatter(flat, value.astype(flat.dtype), self.box_dims(_shape_exprs(out.meta["val"])),
+                                      strides, offset)
+        return (new_buf, checks.pack(found)) if found else (new_buf,)
 
 
 def apply_setting(value) -> None:

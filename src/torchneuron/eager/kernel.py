@@ -160,7 +160,7 @@ class Kernel(Planning, OpSignature):
             exe.report(results[1], sites.place(sys._getframe()))
             return memory.allocator.new_output(exe.outputs[0], results[0], device_index)
         if exe.boxed:
-            return self._finish_boxed(exe, results, values, device_index)
+            return self._finish_boxed(exe, results, values, ctx)
         new_output = memory.allocator.new_output
         outs = []
         k = 0
@@ -176,8 +176,9 @@ class Kernel(Planning, OpSignature):
             exe.report(results[k], sites.place(sys._getframe()))
         return self.returned(outs, values)
 
-    def _finish_boxed(self, exe, results, values, device_index):
+    def _finish_boxed(self, exe, results, values, ctx):
         """A bucketed executable's results: buffers of their bucket's capacity with the true layouts."""
+        device_index = ctx.device_index
         outs = []
         k = 0
         for spec in exe.out_specs:
@@ -186,6 +187,8 @@ class Kernel(Planning, OpSignature):
                 continue
             outs.append(memory.new_boxed_tensor(results[k], spec[0], device_index, spec[1], spec[2]))
             k += 1
+        if exe.writes:
+            k = exe.take_writes(results, k, ctx.addrs)
         if exe.checks:
             exe.report(results[k], sites.place(sys._getframe()))
         return self.returned(outs, values)

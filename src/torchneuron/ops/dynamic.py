@@ -255,11 +255,11 @@ def _factor_coords(pos, factors):
     return true_index, valid
 
 
-def box_read(flat, dims, strides, offset):
-    """The padded box of the view (``strides``, ``offset`` into ``flat``): exact where every factor
-    is below its true size, zeros elsewhere."""
+def _box_index(dims, strides, offset, n):
+    """(flat index into a buffer of ``n`` elements, exact-region mask or None) of every position of
+    the padded box of a view with ``dims``, ``strides`` and ``offset``."""
     shape = tuple(int(np.prod([p for _, p in fs])) for fs in dims)
-    itype = _index_dtype(max(flat.shape[0], 1))
+    itype = _index_dtype(max(n, 1))
     idx, valid = jnp.asarray(offset, itype), None
     for d, fs in enumerate(dims):
         pos = lax.broadcasted_iota(itype, shape, d)
@@ -267,11 +267,26 @@ def box_read(flat, dims, strides, offset):
         idx = idx + true_index * _as(strides[d], itype)
         if ok is not None:
             valid = ok if valid is None else valid & ok
-    idx = jnp.clip(idx, 0, flat.shape[0] - 1)
-    values = flat[idx]
+    return jnp.broadcast_to(idx, shape), valid
+
+
+def box_read(flat, dims, strides, offset):
+    """The padded box of the view (``strides``, ``offset`` into ``flat``): exact where every factor
+    is below its true size, zeros elsewhere."""
+    idx, valid = _box_index(dims, strides, offset, flat.shape[0])
+    values = flat[jnp.clip(idx, 0, flat.shape[0] - 1)]
     if valid is None:
         return values
     return jnp.where(valid, values, jnp.zeros((), flat.dtype))
+
+
+def box_scatter(flat, box, dims, strides, offset):
+    """``flat`` with the view (``strides``, ``offset``) set to the exact region of ``box`` (an
+    in-place op's new value); the rest of the buffer (other views of the storage) is kept."""
+    idx, valid = _box_index(dims, strides, offset, flat.shape[0])
+    if valid is not None:
+        idx = jnp.where(valid, idx, flat.shape[0])     # out of range: dropped
+    return flat.at[idx.reshape(-1)].set(box.reshape(-1).astype(flat.dtype), mode="drop")
 
 
 def box_write(box, dims, sizes, strides):

@@ -503,9 +503,13 @@ RECAPACITY_HOST_LIMIT = 16 << 20
 def recapacity(rec: StorageRecord, box: int) -> str:
     """Give the storage of ``rec`` the capacity of a padded box of ``box`` elements (a power of two
     if it holds more; its data unchanged, zeros after it), so executables keyed by buffer sizes
-    see a bounded set of sizes. Returns how: "host" or "device"."""
-    buf = empty_buffer(rec)
+    see a bounded set of sizes. Returns how: "unwritten", "host" or "device"."""
     cap = box if box >= rec.numel else box_capacity(rec.numel)
+    if rec.buf is None or rec.buf is _shared_zeros.get((rec.numel, rec.dtype, rec.device_index)):
+        # Never written (torch.empty): its zeros are made at the new size.
+        rec.buf, rec.numel, rec.boxed = None, cap, True
+        return "unwritten"
+    buf = rec.buf
     extra = cap - int(buf.shape[0])
     if rec.nbytes <= RECAPACITY_HOST_LIMIT:
         host = np.asarray(buf)
