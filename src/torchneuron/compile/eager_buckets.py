@@ -183,14 +183,33 @@ def bucketer(kernel, key, values, specs, ctx, planned):
     # exactly its size reads from 0), not the family's.
     offsets = tuple(v[inputs.OFFSET] is None for v in inputs.views(specs))
     bkey = (signature, dynamic, sharing, static_numbers, offsets, buckets, tuple(ctx.storages))
+    bkey = (*bkey, _scalars(kernel, values, specs))
     program = _programs.get(bkey)
-    if program is None:
-        try:
+    try:
+        if program is None:
             program = _EagerProgram(kernel, values, specs, key[2], dyn_at, distinct, buckets, ctx)
-        except NoRule as err:
-            return _refuse(refused_key, kernel, f"{err.op}: {err.why}", planned)
-        _programs[bkey] = program
-    return program.executable(planned, distinct, boxes, specs, ctx)
+        exe = program.executable(planned, distinct, boxes, specs, ctx)
+    except NoRule as err:
+        return _refuse(refused_key, kernel, f"{err.op}: {err.why}", planned)
+    _programs[bkey] = program
+    return exe
+
+
+def _scalars(kernel, values, specs) -> tuple:
+    """The values of a call's scalar arguments: compiled into its bucketed program."""
+    found = []
+    for (i, kind), spec in zip(kernel.inputs, specs):
+        v = values[i]
+        if kind in _LISTS and spec is not None:
+            found.extend(_scalar_key(x) for x, sp in zip(v, spec) if sp.__class__ is type)
+        elif spec.__class__ is type:
+            found.append(_scalar_key(v.item() if isinstance(v, torch.Tensor) else v))
+    return tuple(found)
+
+
+def _scalar_key(x):
+    # repr tells -0.0 from 0.0 and keeps NaN equal to itself.
+    return (type(x), repr(x) if isinstance(x, float) else x)
 
 
 def _plain_inplace(kernel, planned, values) -> bool:
@@ -259,6 +278,9 @@ class _EagerProgram:
         mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
 
         def placeholder(val, read):
+            if read[0] == "scalar":   # compiled in, as graphs have it; its runtime input is skipped
+                self.reads.append(read)
+                return val
             ph = graph.placeholder(f"a{len(self.reads)}")
             ph.meta["val"] = val
             self.reads.append(read)
@@ -343,6 +365,8 @@ class _EagerProgram:
         if is_view(spec):
             dynamic = any(isinstance(s, torch.SymInt) for s in fake.shape)
             return ("view", spec, dynamic)
+        if spec.__class__ is type:     # a scalar: compiled in, as graphs have it (part of the key)
+            return ("scalar", fake)
         return ("value", spec)
 
     def executable(self, planned, distinct, boxes, specs, ctx):
@@ -424,7 +448,12 @@ class _EagerTrace(_Trace):
             self.base_key = jax.random.fold_in(jax.random.key(runtime[-2]), runtime[-1])
         env = {}
         written = None     # (view spec, offset, strides or None) of self, for an in-place op
-        for n, (ph, read) in enumerate(zip(self.p.placeholders, e.reads)):
+        phs = iter(self.p.placeholders)
+        for n, read in enumerate(e.reads):
+            if read[0] == "scalar":
+                next(rt)
+                continue
+            ph = next(phs)
             v = ph.meta["val"]
             if read[0] == "size":
                 env[ph] = _padded(v.node.expr, self.buckets)

@@ -1,0 +1,155 @@
+"""Eager mode with bucketed shapes (config.shapes="bucketed", compile/eager_buckets.py): an op whose
+sizes vary compiles once per shape bucket, with results, sizes, strides and views as CPU's."""
+
+import copy
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchneuron
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from test_shapes_bucketed import TinyGPT  # noqa: E402
+
+
+@pytest.fixture
+def bucketed(monkeypatch):
+    monkeypatch.setenv("TORCHNEURON_CACHE_DIR", "")
+    torchneuron.config.shapes = "bucketed"
+    torchneuron.metrics.reset()
+    yield
+    torchneuron.config.shapes = "static"
+
+
+def _compiles():
+    return sum(torchneuron.metrics()["eager_compiles"].values())
+
+
+def _extra(name):
+    return torchneuron.metrics()["extra"].get(name, 0)
+
+
+def _ops(x, w, mask):
+    h = torch.relu(x @ w) * 0.5 + x[..., :1]
+    att = torch.softmax(h.masked_fill(mask, float("-inf")), dim=1)
+    return att.sum(1), h.mean(1), h.var(1), torch.cumsum(h, 1), h.amax(1)
+
+
+def test_new_lengths_in_a_seen_bucket_compile_nothing(bucketed):
+    torch.manual_seed(0)
+    w = torch.randn(6, 6)
+    wd = w.to("neuron")
+
+    def run(t):
+        x = torch.randn(3, t, 6)
+        mask = torch.rand(3, t, 1) > 0.7
+        got = _ops(x.to("neuron"), wd, mask.to("neuron"))
+        for g, want in zip(got, _ops(x, w, mask)):
+            assert g.shape == want.shape and g.stride() == want.stride()
+            torch.testing.assert_close(g.cpu(), want, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+    run(7)                    # exact executables, as always
+    run(13)                   # sizes varied: one executable per op and bucket from now on
+    for t in (5, 9):          # x @ w sees 3 * t rows: that size has buckets of its own
+        run(t)
+    before = _compiles()
+    assert _extra("bucketed_eager_compiles") > 0
+    for t in (6, 8, 10, 11, 12, 14, 15):   # more lengths in seen buckets: nothing compiles
+        run(t)
+    assert _compiles() == before
+    run(29)                   # a new bucket: one compile per op whose sizes reach it
+    per_bucket = _compiles() - before
+    assert per_bucket > 0
+    for t in (27, 31, 25):
+        run(t)
+    assert _compiles() - before == per_bucket
+    assert _extra("bucketed_eager_fallbacks") == 0
+
+
+def test_a_gpt_stream_compiles_a_quarter_of_what_static_compiles(bucketed):
+    torch.manual_seed(0)
+    cpu = TinyGPT(vocab=64, d=32, heads=2, layers=2).eval()
+    dev = copy.deepcopy(cpu).to("neuron")
+    lengths = (7, 13, 29, 30, 61, 100, 37, 45, 19, 23, 55, 90, 11, 27, 41, 83, 71, 53, 9, 33)
+    with torch.no_grad():
+        for t in lengths:
+            ids = torch.randint(0, 64, (2, t))
+            torch.testing.assert_close(dev(ids.to("neuron")).cpu(), cpu(ids), rtol=1e-4, atol=1e-5)
+    # Static compiles about 22 executables per new length here (one per op and shape): 440.
+    compiles = _compiles()
+    assert compiles <= 0.25 * 22 * len(lengths), torchneuron.metrics()["eager_compiles"]
+    assert _extra("bucketed_eager_fallbacks") == 0
+
+
+def test_training_with_varying_lengths_matches_cpu(bucketed):
+    torch.manual_seed(0)
+    cpu = TinyGPT(vocab=64, d=32, heads=2, layers=1)
+    dev = copy.deepcopy(cpu).to("neuron")
+    oc = torch.optim.SGD(cpu.parameters(), lr=0.1)
+    od = torch.optim.SGD(dev.parameters(), lr=0.1)
+    for t in (7, 13, 29, 30, 19):
+        ids, tg = torch.randint(0, 64, (2, t)), torch.randint(0, 64, (2, t))
+        lc = cpu(ids, tg)
+        lc.backward()
+        oc.step()
+        oc.zero_grad()
+        ld = dev(ids.to("neuron"), tg.to("neuron"))
+        ld.backward()
+        od.step()
+        od.zero_grad()
+        torch.testing.assert_close(ld.cpu(), lc, rtol=1e-4, atol=1e-5)
+    for pc, pd in zip(cpu.parameters(), dev.parameters()):
+        torch.testing.assert_close(pd.cpu(), pc, rtol=1e-4, atol=1e-5)
+    assert _extra("bucketed_eager_compiles") > 0
+
+
+def test_views_strides_and_in_place_updates_are_the_users(bucketed):
+    for t in (7, 13, 21):
+        a = torch.randn(2, t, 4)
+        x = a.to("neuron")
+        y = x * 2                       # bucketed from the second length on
+        yt = y.transpose(1, 2)
+        assert y.stride() == (a * 2).stride() and yt.stride() == (a * 2).transpose(1, 2).stride()
+        part = y[:, 1:]
+        part.add_(1.0)                  # in place on a view of a bucketed storage
+        part.mul_(part)
+        z = x.clone()
+        z[:, :3].fill_(7.0)
+        ref = a * 2
+        ref[:, 1:].add_(1.0)
+        ref[:, 1:].mul_(ref[:, 1:].clone())
+        refz = a.clone()
+        refz[:, :3].fill_(7.0)
+        torch.testing.assert_close(y.cpu(), ref)
+        torch.testing.assert_close(yt.contiguous().cpu(), ref.transpose(1, 2).contiguous())
+        torch.testing.assert_close(z.cpu(), refz)
+        m = torch.ones(t, t, dtype=torch.bool, device="neuron").triu(1)
+        assert torch.equal(m.cpu(), torch.ones(t, t, dtype=torch.bool).triu(1))
+        assert torch.equal(torch.arange(t, device="neuron").cpu(), torch.arange(t))
+    assert _extra("bucketed_eager_compiles") > 0
+    # The storage of a bucketed result has its bucket's capacity; the tensor is the true one.
+    assert y.untyped_storage().nbytes() >= y.numel() * y.element_size()
+
+
+def test_pad_never_leaks_into_reductions_or_softmax(bucketed):
+    for t in (5, 11, 13):
+        a = torch.randn(2, t) * 30 + 60          # exp overflows in float32 beyond ~88
+        x = a.to("neuron")
+        for fn in (lambda v: v.exp().sum(1), lambda v: v.mean(1), lambda v: torch.softmax(v, 1),
+                   lambda v: torch.log_softmax(v, 1), lambda v: v.std(1), lambda v: v.argmax(1),
+                   lambda v: v.sort(1).values, lambda v: torch.logsumexp(v, 1), lambda v: F.normalize(v, dim=0)):
+            got, want = fn(x).cpu(), fn(a)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_switching_back_to_static_compiles_per_shape_again(bucketed):
+    for t in (7, 9, 11, 13):   # one user line: its sizes vary from the second call on
+        (torch.randn(3, t).to("neuron") + 1).cpu()
+    assert _extra("bucketed_eager_compiles") == 1
+    torchneuron.config.shapes = "static"
+    for t in (7, 9, 11, 13, 15):
+        (torch.randn(3, t).to("neuron") + 1).cpu()
+    assert _extra("bucketed_eager_compiles") == 1
+    assert torchneuron.metrics()["eager_compiles"]["new shape"] >= 1
