@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import sympy
 import torch
+from jax import lax
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._sympy.functions import FloorDiv, Mod
 
@@ -78,7 +79,7 @@ _PASS = frozenset({
     "scalar_tensor.default", "full.default", "ones.default", "zeros.default", "empty.memory_format",
     "full_like.default", "zeros_like.default", "ones_like.default", "empty_like.default",
     "new_zeros.default", "new_ones.default", "new_full.default", "new_empty.default",
-    "empty_strided.default", "copy.default", "fill.Scalar", "fill_.Scalar", "fill.Tensor", "fill_.Tensor",
+    "empty_strided.default", "copy.default", "copy_.default", "fill.Scalar", "fill_.Scalar", "fill.Tensor", "fill_.Tensor",
     "zero.default", "zero_.default", "cumsum.default", "cumprod.default", "_unsafe_view.default", "view.default", "reshape.default",
 })
 
@@ -98,7 +99,7 @@ _AGNOSTIC = frozenset({
     "detach.default", "lift_fresh_copy.default", "contiguous.default", "scalar_tensor.default",
     "full.default", "ones.default", "zeros.default", "empty.memory_format", "full_like.default",
     "zeros_like.default", "ones_like.default", "empty_like.default", "new_zeros.default",
-    "new_ones.default", "new_full.default", "new_empty.default", "copy.default", "fill.Scalar",
+    "new_ones.default", "new_full.default", "new_empty.default", "copy.default", "copy_.default", "fill.Scalar",
     "fill_.Scalar", "fill.Tensor", "fill_.Tensor", "zero.default", "zero_.default", "view.default", "_unsafe_view.default", "reshape.default",
     "sum.dim_IntList", "sum.default", "nansum.default", "mean.dim", "mean.default", "amax.default",
     "max.default", "amin.default", "min.default", "prod.dim_int", "prod.default", "any.dim", "any.dims",
@@ -1142,14 +1143,25 @@ def _same_factors(in_exprs, out_exprs, order) -> bool:
     return len(a) == len(b) and all(sympy.simplify(x - y) == 0 for x, y in zip(a, b))
 
 
+def _sdpa_parts(node):
+    """(backward, query, key, is_causal, attn_mask) of an attention node."""
+    backward = "backward" in str(node.target)
+    q, k = node.args[1 if backward else 0], node.args[2 if backward else 1]
+    at = 7 if backward else 4
+    causal = node.args[at] if len(node.args) > at else node.kwargs.get("is_causal", False)
+    return backward, q, k, causal, node.kwargs.get("attn_mask")
+
+
 def _sdpa_plan(node):
-    q, k = node.args[1 if "backward" in str(node.target) else 0], node.args[2 if "backward" in str(node.target) else 1]
+    backward, q, k, causal, mask = _sdpa_parts(node)
     qe, ke = _shape_exprs(q.meta["val"]), _shape_exprs(k.meta["val"])
-    causal = node.args[7 if "backward" in str(node.target) else 4] if len(node.args) > (7 if "backward" in str(node.target) else 4) else False
-    if node.kwargs.get("attn_mask") is not None:
-        raise NoRule(registry_name(node.target), "an attention mask with dynamic dims")
-    if not _is_static(ke[-2]) and not (causal and qe[-2] == ke[-2]):
-        raise NoRule(registry_name(node.target), "attention over dynamic keys without is_causal")
+    same_causal = causal and qe[-2] == ke[-2]
+    if backward and mask is not None:
+        raise NoRule(registry_name(node.target), "the backward of attention with a mask")
+    if not _is_static(ke[-2]) and not same_causal and (backward or causal):
+        raise NoRule(registry_name(node.target), "causal attention over dynamic keys of another length "
+                                                 "than the queries'" if causal else
+                     "the backward of attention over dynamic keys without is_causal")
 
 
 @rule("_scaled_dot_product_flash_attention_for_cpu.default",
@@ -1158,6 +1170,25 @@ def _sdpa_plan(node):
 def _sdpa(call):
     # Causal attention with queries and keys of one dynamic length: a true query never sees a
     # pad key; zeroing every input's pad keeps the pad rows finite (their gradients are zero).
+    # Attention over dynamic keys otherwise (a decode step's growing cache, no mask or the user's):
+    # pad keys are masked out.
+    backward, _, _, causal, _ = _sdpa_parts(call.node)
+    key_len = call.lens("key")[-2]
+    if not backward and key_len is not None and not (causal and call.lens("query")[-2] is key_len):
+        q = call.arrays[call.arg("query")]
+        k = call.arrays[call.arg("key")]
+        valid = lax.broadcasted_iota(jnp.int32, (q.shape[-2], k.shape[-2]), 1) < key_len
+        i = call.arg("attn_mask")
+        m = call.arrays[i]
+        if m is None:
+            m = valid
+        elif m.dtype == jnp.bool_:
+            m = m & valid
+        else:
+            m = jnp.where(valid, m, jnp.asarray(-jnp.inf, m.dtype))
+        call.arrays[i] = m
+        call.metas[i] = torch.empty(m.shape, dtype=torch.bool if m.dtype == jnp.bool_ else call.metas[
+            call.arg("query")].dtype, device="meta")
     for name in ("grad_out", "query", "key", "value", "out", "logsumexp"):
         if name in call.sig.index_of:
             call.mask(name, 0)
