@@ -1,8 +1,10 @@
 """All torchneuron settings in one place.
 
 Each field can be overridden by an environment variable ``TORCHNEURON_<FIELD>`` (upper case),
-read once when torchneuron is imported; code may also assign ``torchneuron.config.<field>``. Both
+read when torchneuron is imported; code may also assign ``torchneuron.config.<field>``. Both
 are validated the same way (type, choices, range) and errors name the setting and its variable.
+The settings the PJRT client starts with (``START_SETTINGS``) are read again when the device first
+starts, so a program may also set their variables after ``import torch``.
 ``docs/configuration.md`` documents every setting.
 """
 
@@ -39,7 +41,16 @@ _FLOAT_MINIMUM = {"adaptive_compile_budget": 0.0}
 # Settings that are on or off.
 _BOOL_FIELDS = {"cpu_async_dispatch", "adaptive_overlap"}
 # Choices compared without case or surrounding blanks.
-_NORMALISED = set(_CHOICES) | {"platform"}
+_NORMALISED = set(_CHOICES) | {"platform", "visible_device"}
+# Settings that are on, off or "auto" (left to the PJRT plugin's own default).
+_AUTO_BOOL = {"gpu_preallocate"}
+# Real-valued settings in (0, 1], or "auto".
+_FRACTIONS = {"gpu_memory_fraction"}
+# What the PJRT client is created with: read again, from their variables, when the device starts
+# (torchneuron is imported during `import torch`, often before the program sets its environment).
+START_SETTINGS = ("platform", "visible_device", "gpu_preallocate", "gpu_memory_fraction")
+# Live settings the program assigned in code: their variables no longer apply at device start.
+_ASSIGNED: set = set()
 
 # Settings whose change must take effect at once (eager_mode switches the kernels' recorder).
 _OBSERVERS: dict = {}
@@ -63,8 +74,20 @@ def _variable(name: str) -> str:
 
 @dataclass
 class Config:
-    # PJRT platform the neuron device runs on: cpu, cuda, tpu or neuron (a PJRT plugin).
+    # PJRT platform the neuron device runs on: cpu, cuda, tpu or neuron (a PJRT plugin). Read when
+    # the device first starts; JAX then initialises only this platform (and cpu, for host kernels).
     platform: str = "cpu"
+    # Which devices of the platform this process sees: "all"; "local_rank" (only the device
+    # LOCAL_RANK names, as torchrun sets it: one device per rank); a device index; or "auto":
+    # "local_rank" on cuda/rocm/gpu/neuron when LOCAL_RANK is set and the user has not restricted
+    # the devices already, else "all". Read when the device first starts.
+    visible_device: str = "auto"
+    # GPU platforms: the allocator reserves its memory pool when the client starts (True), grows it
+    # on demand (False), or "auto": the plugin's default (XLA_PYTHON_CLIENT_PREALLOCATE).
+    gpu_preallocate: bool | str = "auto"
+    # GPU platforms: share of each device's memory the allocator may use, in (0, 1], or "auto": the
+    # plugin's default (XLA_PYTHON_CLIENT_MEM_FRACTION).
+    gpu_memory_fraction: float | str = "auto"
     # Ops with neither a lowering nor a decomposition: warn once per op and run on CPU,
     # run on CPU silently, or raise.
     fallback: str = "warn"
@@ -124,6 +147,8 @@ class Config:
         if check is not None and name in self.__dict__ and value != self.__dict__[name]:
             check(self.__dict__[name], value)
         super().__setattr__(name, value)
+        if live:
+            _ASSIGNED.add(name)
         observer = _OBSERVERS.get(name) if live else None
         if observer is not None:
             observer(value)
@@ -142,25 +167,43 @@ class Config:
         cfg = cls()
         for f in dataclasses.fields(cls):
             raw = environ.get(_variable(f.name))
-            if raw is None:
-                continue
-            value = raw
-            if f.name in _AUTO and raw.strip().lower() == "auto":
-                value = "auto"
-            elif f.name in _MINIMUM or f.name in _FLOAT_MINIMUM:
-                kind, what = (int, _INTEGER.get(f.name, "an integer")) if f.name in _MINIMUM else (float, "a number")
-                try:
-                    value = kind(raw.strip())
-                except ValueError:
-                    raise ValueError(f"torchneuron: {_variable(f.name)}={raw!r} is not {what} "
-                                     f"(config.{f.name}; default {f.default})") from None
-            elif f.name in _BOOL_FIELDS:
-                value = _BOOLS.get(raw.strip().lower())
-                if value is None:
-                    raise ValueError(f"torchneuron: {_variable(f.name)}={raw!r} must be one of 1/0, "
-                                     f"true/false, yes/no, on/off (config.{f.name}; default {f.default})")
-            setattr(cfg, f.name, value)
+            if raw is not None:
+                setattr(cfg, f.name, _parsed(f, raw))
         return cfg
+
+
+def _parsed(f, raw: str):
+    """The value the variable of setting ``f`` holds (still to be validated)."""
+    name, text = f.name, raw.strip().lower()
+    if (name in _AUTO or name in _AUTO_BOOL or name in _FRACTIONS) and text == "auto":
+        return "auto"
+    if name in _MINIMUM or name in _FLOAT_MINIMUM or name in _FRACTIONS:
+        kind, what = (int, _INTEGER.get(name, "an integer")) if name in _MINIMUM else (float, "a number")
+        if name in _FRACTIONS:
+            what = "a number in (0, 1] or 'auto'"
+        try:
+            return kind(raw.strip())
+        except ValueError:
+            raise ValueError(f"torchneuron: {_variable(name)}={raw!r} is not {what} "
+                             f"(config.{name}; default {f.default})") from None
+    if name in _BOOL_FIELDS or name in _AUTO_BOOL:
+        value = _BOOLS.get(text)
+        if value is None:
+            also = ", or auto" if name in _AUTO_BOOL else ""
+            raise ValueError(f"torchneuron: {_variable(name)}={raw!r} must be one of 1/0, "
+                             f"true/false, yes/no, on/off{also} (config.{name}; default {f.default})")
+        return value
+    return raw
+
+
+def read_start_settings(environ=os.environ) -> None:
+    """Apply the variables of ``START_SETTINGS`` as they are now (the device is starting), except
+    for settings the program assigned in code, which win."""
+    for name in START_SETTINGS:
+        raw = environ.get(_variable(name))
+        if raw is not None and name not in _ASSIGNED:
+            # Not setattr: that would count as an assignment in code.
+            config.__dict__[name] = _validated(name, _parsed(_FIELDS[name], raw))
 
 
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
@@ -187,14 +230,28 @@ def _validated(name: str, value):
         if not value >= _FLOAT_MINIMUM[name]:
             raise ValueError(f"torchneuron: {where} must be at least {_FLOAT_MINIMUM[name]}, got {value}")
         return float(value)
-    if name in _AUTO and isinstance(value, str) and value.strip().lower() == "auto":
+    if (name in _AUTO or name in _AUTO_BOOL or name in _FRACTIONS) and isinstance(value, str) \
+            and value.strip().lower() == "auto":
         return "auto"
+    if name in _AUTO_BOOL:
+        if not isinstance(value, bool):
+            raise TypeError(f"torchneuron: {where} must be True, False or 'auto', got {value!r}")
+        return value
+    if name in _FRACTIONS:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"torchneuron: {where} must be a number in (0, 1] or 'auto', got {value!r}")
+        if not 0 < value <= 1:
+            raise ValueError(f"torchneuron: {where} must be in (0, 1] (a share of each device's memory) "
+                             f"or 'auto', got {value}")
+        return float(value)
     if name in _MINIMUM:
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"torchneuron: {where} must be {_INTEGER.get(name, 'an integer')}, got {value!r}")
         if value < _MINIMUM[name]:
             raise ValueError(f"torchneuron: {where} must be at least {_MINIMUM[name]}, got {value}")
         return value
+    if name == "visible_device" and isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        value = str(value)   # a device index
     if not isinstance(value, str):
         raise TypeError(f"torchneuron: {where} must be a string, got {value!r}")
     if name in _NORMALISED:
@@ -211,6 +268,9 @@ def _validated(name: str, value):
         if not ok:
             raise ValueError(f"torchneuron: {where} must be 'pow2', 'pow2:<min>' or increasing positive "
                              f"sizes like '64,128,256', got {value!r}")
+    if name == "visible_device" and value not in ("auto", "all", "local_rank") and not value.isdigit():
+        raise ValueError(f"torchneuron: {where} must be 'auto', 'all', 'local_rank' or a device index "
+                         f"like '0', got {value!r}")
     if name == "platform" and not value:
         raise ValueError(f"torchneuron: {where} must name a PJRT platform, e.g. 'cpu'")
     return value

@@ -12,6 +12,8 @@ the global fallback.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .. import (
@@ -21,6 +23,7 @@ from .. import (
 from ..config import config
 from ..ops import oprecord, registry
 from ..ops.signature import aten_overload
+from ..runtime import pjrt
 from . import data_dependent, host_ops, rnn, storage_ops
 from .fallback import neuron_fallback
 from .kernel import Kernel
@@ -33,6 +36,7 @@ _kernels: dict[str, object] = {}   # the kernels lowerings give, before any spec
 KERNELS: dict[str, object] = {}
 # The modules of the kernels written by hand that ``oprecord.EAGER`` names ("host_ops.nonzero").
 HAND_WRITTEN = {"storage_ops": storage_ops, "host_ops": host_ops, "data_dependent": data_dependent}
+_table_platform = None   # the platform KERNELS was built for: config.platform when torch was imported
 
 
 def _runtime_lr(tensor_lr_kernel):
@@ -118,7 +122,9 @@ def implementation(rec):
 
 def _kernel_table() -> dict:
     """ATen overload name -> PrivateUse1 kernel, for every op record that has a kernel."""
-    records = oprecord.records(config.platform).values()
+    global _table_platform
+    _table_platform = config.platform
+    records = oprecord.records(_table_platform).values()
     # Kernels over lowerings first: special cases and hand-written kernels use them.
     for rec in records:
         if rec.lowered is not None:
@@ -193,3 +199,39 @@ def register_all() -> None:
     fallback_lib = torch.library.Library("_", "IMPL")
     fallback_lib.fallback(neuron_fallback, "PrivateUse1")
     _libs.append(fallback_lib)
+    pjrt.on_start(follow_started_platform)
+
+
+def _fallback_kernel(overload):
+    def kernel(*args, **kwargs):
+        return neuron_fallback(overload, *args, **kwargs)
+    return kernel
+
+
+def follow_started_platform(platform: str) -> None:
+    """Give the ops whose lowering exists only on some platforms (LAPACK-only linalg) the kernels of
+    the platform the device started on. The table is built while torch imports torchneuron, and a
+    program may choose another platform after that (config.platform, or its variable)."""
+    global _table_platform
+    if platform == _table_platform:
+        return
+    before, now = oprecord.records(_table_platform), oprecord.records(platform)
+    changed = [name for name in {**before, **now}
+               if (before.get(name) and before[name].kernel) != (now.get(name) and now[name].kernel)]
+    _table_platform = platform
+    if not changed:
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    _libs.append(lib)
+    for name in changed:
+        rec = now.get(name)
+        if rec is not None and rec.lowered is not None:
+            _kernels[name] = _lowered_kernel(rec)
+        if rec is not None and rec.kernel is not None:
+            KERNELS[name] = kernel = _eager_kernel(rec)
+        else:
+            KERNELS.pop(name, None)
+            kernel = _fallback_kernel(aten_overload(name))
+        with warnings.catch_warnings():   # replacing our own kernel is the point
+            warnings.simplefilter("ignore")
+            lib.impl(name.removesuffix(".default"), kernel, "PrivateUse1")

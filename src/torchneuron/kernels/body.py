@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import torch
 
+from ..config import config
 from ..ops.signature import DTYPE, SCALAR, SCALAR_LIST, STATIC, TENSOR, TENSOR_LIST
 from ..runtime.dtypes import jax_dtype
 
@@ -68,7 +69,7 @@ def describe_value(v) -> str:
 class Body:
     """A kernel's JAX function together with the schema facts needed to call it."""
 
-    def __init__(self, qualname: str, fn, schema, *, platform: str | None = None):
+    def __init__(self, qualname: str, fn, schema, *, on_device: bool = False):
         self.qualname = qualname
         self.fn = fn
         args = schema.arguments
@@ -77,9 +78,14 @@ class Body:
         self.kinds = [arg_kind(a) for a in args]
         self.mutated = [i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
         self.returns, self.n_returns = _return_kind(schema)
-        # The platform whose executables the body is traced for (None: the host CPU).
-        self.platform = platform
+        self.on_device = on_device       # traced for the neuron device, else for the host CPU
         self.serial = next(_serials)     # tells this registration from a later one of the same name
+
+    @property
+    def platform(self) -> str | None:
+        """The platform whose executables the body is traced for (None: the host CPU); read at each
+        trace, as the device's platform is chosen when it starts, after kernels are defined."""
+        return config.platform if self.on_device else None
 
     # -- arguments ---------------------------------------------------------------------------------
     def split(self, values):

@@ -20,7 +20,6 @@ import torch
 from torch._library import utils as library_utils
 from torch._library.custom_ops import CustomOpDef
 
-from ..config import config
 from ..eager.kernel import Kernel
 from ..metrics import metrics
 from ..ops.registry import Lowering
@@ -78,7 +77,7 @@ class JaxKernel(CustomOpDef):
         self.backward_fn = backward
         self.defined_at = defined_at
         overload = self._opoverload
-        self.body = body = Body(qualname, fn, overload._schema, platform=config.platform)
+        self.body = body = Body(qualname, fn, overload._schema, on_device=True)
         self.neuron_kernel = NeuronKernel(overload, body)
         self.host_kernel = HostKernel(body, overload._schema)
         self._lib.impl(name, self._neuron_impl(), "PrivateUse1")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import pickle
@@ -79,6 +80,45 @@ def fingerprint_sources(root: str = _PACKAGE_ROOT) -> list[str]:
     return found
 
 
+# The distributions that carry each platform's PJRT plugin (the CPU client is part of jaxlib).
+_PLUGIN_DISTRIBUTIONS = {
+    "cuda": ("jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin", "jax-cuda12-pjrt"),
+    "rocm": ("jax-rocm7-plugin", "jax-rocm7-pjrt", "jax-rocm60-plugin", "jax-rocm60-pjrt"),
+    "tpu": ("libtpu", "libtpu-nightly"),
+    "neuron": ("libneuronxla", "jax-neuronx", "neuronx-cc"),
+}
+_PLUGIN_DISTRIBUTIONS["gpu"] = _PLUGIN_DISTRIBUTIONS["cuda"]
+
+
+def _plugin_versions(platform: str) -> dict:
+    """Installed versions of the packages that carry ``platform``'s PJRT plugin (and compiler)."""
+    found = {}
+    for name in _PLUGIN_DISTRIBUTIONS.get(platform, ()):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def _driver_versions() -> dict:
+    """The CUDA driver and libraries JAX's CUDA plugin reports, where it has them (feature-detected:
+    the module and its functions vary between plugin releases)."""
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:
+        return {}
+    found = {}
+    for name in ("cuda_driver_get_version", "cuda_runtime_get_version", "cudnn_get_version"):
+        fn = getattr(cuda_versions, name, None) if cuda_versions is not None else None
+        if fn is not None:
+            try:
+                found[name.removesuffix("_get_version")] = str(fn())
+            except Exception:  # noqa: BLE001 - no GPU behind the plugin: nothing to report
+                pass
+    return found
+
+
 @functools.cache
 def fingerprint_details() -> dict:
     """What the fingerprint covers, by part: versions, platform, and a digest of the torchneuron
@@ -92,8 +132,12 @@ def fingerprint_details() -> dict:
     return {"format": _FORMAT,
             "versions": {"python": sys.version, "torch": torch.__version__, "jax": jax.__version__,
                          "jaxlib": jaxlib.__version__},
+            # The PJRT plugin's own version string, its packages and the driver: a plugin or
+            # driver update may compile differently, so it invalidates stored executables.
             "platform": {"setting": config.platform, "device": dev.platform, "device_kind": dev.device_kind,
-                         "pjrt": pjrt.platform_version(), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")},
+                         "pjrt": pjrt.platform_version(), "plugins": _plugin_versions(dev.platform),
+                         "driver": _driver_versions() if dev.platform in ("cuda", "gpu") else {},
+                         "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")},
             "sources": sources.hexdigest()}
 
 

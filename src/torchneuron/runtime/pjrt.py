@@ -12,7 +12,7 @@ import numpy as np
 from jax._src import xla_bridge
 
 from ..config import config, guard, observe
-from . import fork
+from . import fork, startup
 
 # int64 stays int64 and float64 can be kept when asked: JAX needs x64 mode for both.
 jax.config.update("jax_enable_x64", True)
@@ -116,30 +116,41 @@ observe("cpu_intra_op_threads", _intra_op_threads_changed)
 # Which package provides each PJRT platform, for the error a user sees when it is missing.
 _PLUGINS = {
     "cpu": "jax[cpu] (bundled with jaxlib)",
-    "cuda": "jax[cuda12] (pip install 'jax[cuda12]==0.10.2')",
-    "gpu": "jax[cuda12] (pip install 'jax[cuda12]==0.10.2')",
+    "cuda": "jax[cuda12] or jax[cuda13] (pip install 'jax[cuda12]==0.10.2')",
+    "gpu": "jax[cuda12] or jax[cuda13] (pip install 'jax[cuda12]==0.10.2')",
     "tpu": "jax[tpu] (libtpu)",
     "neuron": "the AWS Neuron PJRT plugin (libneuronxla / jax-neuronx)",
 }
 
 
 _started_on = None   # the platform the runtime runs on, once it started
+_start_hooks: list = []   # called with the platform once the device started
+
+
+def on_start(hook) -> None:
+    """Call ``hook(platform)`` when the device starts (at once if it has started)."""
+    _start_hooks.append(hook)
+    if _started_on is not None:
+        hook(_started_on)
 
 
 @functools.cache
 def devices() -> tuple:
-    """PJRT devices of the configured platform, in index order."""
+    """PJRT devices of the configured platform, in index order. The first call starts the device:
+    the platform and the client's settings are read then (``startup.prepare``), not at import."""
     global _started_on
-    platform = config.platform
-    try:
-        found = jax.devices(platform)
-    except RuntimeError as err:
-        plugin = _PLUGINS.get(platform, f"a PJRT plugin for {platform!r}")
-        raise RuntimeError(
-            f"torchneuron: TORCHNEURON_PLATFORM={platform!r} needs {plugin}, which JAX could not "
-            f"load ({err}). Install it, or set TORCHNEURON_PLATFORM=cpu."
-        ) from err
+    with startup.prepare() as platform:
+        try:
+            found = jax.devices(platform)
+        except RuntimeError as err:
+            plugin = _PLUGINS.get(platform, f"a PJRT plugin for {platform!r}")
+            raise RuntimeError(
+                f"torchneuron: TORCHNEURON_PLATFORM={platform!r} needs {plugin}, which JAX could not "
+                f"load ({err}). Install it, or set TORCHNEURON_PLATFORM=cpu."
+            ) from err
     _started_on = platform
+    for hook in _start_hooks:
+        hook(platform)
     return tuple(found)
 
 
