@@ -66,20 +66,28 @@ class _Family:
         self.dynamic = frozenset()  # positions seen with another size since
 
 
-def _family(families: list, numbers) -> _Family:
+def _family(families: list, numbers, free=frozenset()) -> _Family:
     """The family of a call's sizes: one whose other sizes all match, else the nearest one whose
     differing sizes all scale by one factor (a length and the dims derived from it: ``t``,
     ``b*t``), whose differing positions become dynamic, else a new one. A line that runs an op at
     unrelated shapes (``self.out(gelu(self.fc(x)))``: two weights, 256 -> 64 and 64 -> 256) gets
-    one family per shape; a varying length, one family whose length dims are dynamic."""
+    one family per shape; a varying length, one family whose length dims are dynamic. Positions in
+    ``free`` (storage sizes: a bucket's capacity, or a growing buffer's) may vary on their own."""
     best, best_diff = None, None
     for fam in families:
-        diff = [i for i, (a, b) in enumerate(zip(fam.first, numbers)) if a != b and i not in fam.dynamic]
+        # Sizes 0 and 1 are their own shapes (Dynamo specialises them): a decode step's one query
+        # is not a prompt length.
+        diff = [i for i, (a, b) in enumerate(zip(fam.first, numbers))
+                if a != b and (i not in fam.dynamic or b <= 1)]
         if not diff:
             return fam
-        a0, b0 = fam.first[diff[0]], numbers[diff[0]]
-        if any(fam.first[i] * b0 != numbers[i] * a0 for i in diff):
+        if any(fam.first[i] <= 1 or numbers[i] <= 1 for i in diff):
             continue
+        scaled = [i for i in diff if i not in free]
+        if scaled:
+            a0, b0 = fam.first[scaled[0]], numbers[scaled[0]]
+            if any(fam.first[i] * b0 != numbers[i] * a0 for i in scaled):
+                continue
         if best_diff is None or len(diff) < len(best_diff):
             best, best_diff = fam, diff
     if best is not None:
@@ -103,10 +111,14 @@ def clear(_setting=None) -> None:
 
 
 # -- what a call's key says about sizes ---------------------------------------------------------------
-def _shape_free(kernel, specs, statics):
+def _shape_free(kernel, specs, statics, storages):
     """(signature without sizes, the sizes in order, where each size is): view specs without their
-    sizes and strides, integer arguments without their values."""
+    sizes and strides, integer arguments without their values, storages without their sizes (a
+    token's view of the ids that grow every decode step)."""
     numbers, where = [], []
+    for slot, (numel, _) in enumerate(storages):
+        numbers.append(numel)
+        where.append(("storage", slot, None))
     free = []
     for j, ((_, kind), spec) in enumerate(zip(kernel.inputs, specs)):
         if kind in _LISTS and spec is not None:
@@ -151,17 +163,19 @@ def bucketer(kernel, key, values, specs, ctx, planned):
         return planned
     if kernel.lowering.random and registry_name(kernel.overload) not in _RANDOM_ELEMENTWISE:
         return planned
-    free_specs, free_statics, numbers, where = _shape_free(kernel, specs, key[2])
+    free_specs, free_statics, numbers, where = _shape_free(kernel, specs, key[2], key[3])
     if not numbers:
         return planned
     signature = (kernel, free_specs, free_statics, key[4], key[5])
     # Which sizes vary is learnt per user line (as Dynamo learns it per frame): one kernel serves
     # every layer's weights.
     families = _history.setdefault((signature, sites.place(sys._getframe())), [])
-    dynamic = _family(families, numbers).dynamic
+    dynamic = _family(families, numbers, frozenset(i for i, w in enumerate(where) if w[0] == "storage")).dynamic
     if not dynamic or any(numbers[i] <= 1 for i in dynamic):
         return planned
-    dynamic = tuple(sorted(dynamic))
+    # Storages whose size varies get a bucket's capacity (a power of two): keys stay bounded.
+    grown = [where[i][1] for i in dynamic if where[i][0] == "storage"]
+    dynamic = tuple(sorted(i for i in dynamic if where[i][0] != "storage"))
     # Dims of equal size share one symbol (as Dynamo's duck shaping): part of the key.
     distinct = list(dict.fromkeys(numbers[i] for i in dynamic))
     sharing = tuple(distinct.index(numbers[i]) for i in dynamic)
@@ -178,7 +192,14 @@ def bucketer(kernel, key, values, specs, ctx, planned):
         return planned     # above the largest bucket: this shape compiles as it is
     dyn_at = {where[i]: sharing[k] for k, i in enumerate(dynamic)}
     boxes = _give_capacity(kernel, specs, dyn_at, buckets, ctx)
-    static_numbers = tuple(n for i, n in enumerate(numbers) if i not in set(dynamic))
+    for slot in grown:
+        rec = memory.allocator.records[ctx.addrs[slot]]
+        if not rec.boxed:
+            give_capacity(rec, memory.box_capacity(rec.numel))
+            ctx.bufs[slot] = memory.empty_buffer(rec)
+            ctx.storages[slot] = (rec.numel, rec.dtype)
+    static_numbers = tuple(n for i, n in enumerate(numbers) if i not in set(dynamic)
+                           and where[i][0] != "storage")
     # Whether each view's offset is a runtime input is the program's (a view of a whole storage of
     # exactly its size reads from 0), not the family's.
     offsets = tuple(v[inputs.OFFSET] is None for v in inputs.views(specs))
