@@ -153,3 +153,17 @@ def test_switching_back_to_static_compiles_per_shape_again(bucketed):
         (torch.randn(3, t).to("neuron") + 1).cpu()
     assert _extra("bucketed_eager_compiles") == 1
     assert torchneuron.metrics()["eager_compiles"]["new shape"] >= 1
+
+
+def test_scalars_stay_runtime_values_of_a_bucketed_op(bucketed):
+    # One line, one op and shape, three scalars: each call gets its own (a program with a scalar
+    # compiled in would serve the others' calls with its value).
+    for t in (5, 9, 11, 13, 17):
+        a = torch.randn(1, t, 8)
+        x = a.to("neuron")
+        got = 0.5 * x * (1.0 + torch.tanh(0.79788 * (x + 0.044715 * torch.pow(x, 3.0))))
+        want = 0.5 * a * (1.0 + torch.tanh(0.79788 * (a + 0.044715 * torch.pow(a, 3.0))))
+        torch.testing.assert_close(got.cpu(), want)
+        for c in (0, 1, 2):
+            torch.testing.assert_close(x.var(1, correction=c).cpu(), a.var(1, correction=c))
+    assert _extra("bucketed_eager_compiles") > 0

@@ -898,6 +898,8 @@ def _var(call):
     x = call.arrays[0]
     dims = _dims_arg(call, "dim", x.ndim)
     correction = call.values[call.arg("correction")]
+    if isinstance(correction, torch.fx.Node):   # a runtime scalar (eager mode)
+        correction = call.arrays[call.arg("correction")]
     correction = 1 if correction is None else correction
     keepdim = bool(call.values[call.arg("keepdim")])
     v = dyn.var(x.astype(jnp.float32) if not jnp.issubdtype(x.dtype, jnp.floating) else x,

@@ -204,7 +204,6 @@ def bucketer(kernel, key, values, specs, ctx, planned):
     # exactly its size reads from 0), not the family's.
     offsets = tuple(v[inputs.OFFSET] is None for v in inputs.views(specs))
     bkey = (signature, dynamic, sharing, static_numbers, offsets, buckets, tuple(ctx.storages))
-    bkey = (*bkey, _scalars(kernel, values, specs))
     program = _programs.get(bkey)
     try:
         if program is None:
@@ -214,23 +213,6 @@ def bucketer(kernel, key, values, specs, ctx, planned):
         return _refuse(refused_key, kernel, f"{err.op}: {err.why}", planned)
     _programs[bkey] = program
     return exe
-
-
-def _scalars(kernel, values, specs) -> tuple:
-    """The values of a call's scalar arguments: compiled into its bucketed program."""
-    found = []
-    for (i, kind), spec in zip(kernel.inputs, specs):
-        v = values[i]
-        if kind in _LISTS and spec is not None:
-            found.extend(_scalar_key(x) for x, sp in zip(v, spec) if sp.__class__ is type)
-        elif spec.__class__ is type:
-            found.append(_scalar_key(v.item() if isinstance(v, torch.Tensor) else v))
-    return tuple(found)
-
-
-def _scalar_key(x):
-    # repr tells -0.0 from 0.0 and keeps NaN equal to itself.
-    return (type(x), repr(x) if isinstance(x, float) else x)
 
 
 def _plain_inplace(kernel, planned, values) -> bool:
@@ -299,9 +281,6 @@ class _EagerProgram:
         mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
 
         def placeholder(val, read):
-            if read[0] == "scalar":   # compiled in, as graphs have it; its runtime input is skipped
-                self.reads.append(read)
-                return val
             ph = graph.placeholder(f"a{len(self.reads)}")
             ph.meta["val"] = val
             self.reads.append(read)
@@ -386,7 +365,7 @@ class _EagerProgram:
         if is_view(spec):
             dynamic = any(isinstance(s, torch.SymInt) for s in fake.shape)
             return ("view", spec, dynamic)
-        if spec.__class__ is type:     # a scalar: compiled in, as graphs have it (part of the key)
+        if spec.__class__ is type:     # a scalar: a runtime input
             return ("scalar", fake)
         return ("value", spec)
 
@@ -471,12 +450,11 @@ class _EagerTrace(_Trace):
         written = None     # (view spec, offset, strides or None) of self, for an in-place op
         phs = iter(self.p.placeholders)
         for n, read in enumerate(e.reads):
-            if read[0] == "scalar":
-                next(rt)
-                continue
             ph = next(phs)
             v = ph.meta["val"]
-            if read[0] == "size":
+            if read[0] == "scalar":   # a runtime value, as in eager: a new learning rate compiles nothing
+                env[ph] = next(rt)
+            elif read[0] == "size":
                 env[ph] = _padded(v.node.expr, self.buckets)
             elif read[0] == "view" and read[2]:
                 spec = read[1]
