@@ -167,3 +167,32 @@ def test_scalars_stay_runtime_values_of_a_bucketed_op(bucketed):
         for c in (0, 1, 2):
             torch.testing.assert_close(x.var(1, correction=c).cpu(), a.var(1, correction=c))
     assert _extra("bucketed_eager_compiles") > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_generate_with_the_default_cache_reuses_buckets(bucketed, family):
+    transformers = pytest.importorskip("transformers")
+    if family == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    else:
+        cfg = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=128)
+    torch.manual_seed(0)
+    cpu = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    dev = copy.deepcopy(cpu).to("neuron")
+    gen = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+
+    def run(t):
+        ids = torch.randint(3, 64, (1, t), generator=torch.Generator().manual_seed(t))
+        with torch.no_grad():
+            want = cpu.generate(ids, **gen)
+            got = dev.generate(ids.to("neuron"), **gen)
+        assert torch.equal(got.cpu(), want)
+
+    for t in (5, 7, 9):        # prompts and key lengths 5..15: bucket 16
+        run(t)
+    before = _compiles()
+    run(6)                     # a new prompt length, every key length already seen in its bucket
+    run(8)
+    assert _compiles() - before <= 4, torchneuron.metrics()["eager_compiles"]
+    assert _extra("bucketed_eager_fallbacks") == 0

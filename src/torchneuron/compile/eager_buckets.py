@@ -376,11 +376,14 @@ class _EagerProgram:
         extras.extend(np.asarray(s[inputs.STRIDES], np.int64) for s in boxes)
         for _, sizes, strides in planned.out_specs:
             extras.append(np.asarray((*sizes, *strides), np.int64))
+        first = []     # the results of the call that compiled the program, handed to that call
         if self.compiled is None:
-            self.compile_with(ctx.bufs, ctx.runtime, extras, specs)
+            first.append(self.compile_with(ctx.bufs, ctx.runtime, extras, specs))
         compiled = self.compiled
 
         def call(*flat):
+            if first:
+                return first.pop()
             return compiled(*flat, *extras)
 
         exe = Executable(call, self.kernel.short_name, planned.writes, planned.check_mode, self.checks,
@@ -397,7 +400,9 @@ class _EagerProgram:
 
         sharding = jax.sharding.SingleDeviceSharding(pjrt.device(self.device_index))
         try:
-            self.compiled = jax.jit(run, out_shardings=sharding).lower(*bufs, *runtime, *extras).compile()
+            # jit's own dispatch (its C++ fast path) serves later calls: the extras' avals never change.
+            jitted = jax.jit(run, out_shardings=sharding)
+            results = jitted(*bufs, *runtime, *extras)
         except NoRule:
             raise
         except Exception as err:  # noqa: BLE001 - a node without a working rule: compiled per shape
@@ -405,12 +410,14 @@ class _EagerProgram:
             if isinstance(error, NoRule):
                 raise error from None
             raise NoRule(self.kernel.short_name, f"{type(error).__name__}: {error}") from None
+        self.compiled = jitted
         self.checks = trace.checks
         seconds = time.perf_counter() - start
         metrics.compile_seconds += seconds
         metrics.executables_compiled += 1
         metrics.eager_compiles[_REASON] += 1
         metrics.extra["bucketed_eager_compiles"] += 1
+        return results
 
 
 def _source(name):
