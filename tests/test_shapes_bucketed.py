@@ -216,11 +216,15 @@ def test_gpt_inference_compiles_once_per_bucket(bucketed, sdpa):
             out = f(ids.to("neuron"))
             assert out.shape == (2, t, 50)
             torch.testing.assert_close(out.cpu(), cpu(ids), rtol=1e-4, atol=1e-5)
+            if t != LENGTHS[0]:
+                # The batch of 2 is symbolic too (dynamic=True) but never varies: it is not padded.
+                bucket = 16 if t <= 16 else 1 << (t - 1).bit_length()
+                assert out.untyped_storage().nbytes() == 2 * bucket * 50 * 4
     graphs, fallbacks = _counts()
     assert fallbacks == 0
-    # The batch of 2 is symbolic too (dynamic=True): its bucket is 16 for every call.
-    assert graphs == 4
-    assert torchneuron.metrics()["graphs_compiled"] == 4
+    # dynamic=True: the first call compiles its exact sizes; the length, once it varies, its buckets.
+    assert graphs == 1 + 4
+    assert torchneuron.metrics()["graphs_compiled"] == 1 + 4
 
 
 @pytest.mark.parametrize("sdpa", [False, True], ids=["matmul_softmax", "sdpa_causal"])
@@ -250,9 +254,9 @@ def test_gpt_training_steps_match_cpu_with_one_graph_pair_per_bucket(bucketed, s
         torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-4, atol=1e-4)
     graphs, fallbacks = _counts()
     assert fallbacks == 0
-    assert graphs == 2 * 4          # a forward and a backward graph per bucket
+    assert graphs == 2 * (1 + 4)    # a forward and a backward graph: the first sizes, then per bucket
     recompiles = torchneuron.metrics()["recompiles"]
-    assert recompiles["forward graph: a new shape bucket (config.shapes='bucketed')"] == 3
+    assert recompiles["forward graph: a new shape bucket (config.shapes='bucketed')"] == 4
 
 
 def test_masked_ops_on_the_dynamic_dim_match_cpu(bucketed):
@@ -279,7 +283,7 @@ def test_masked_ops_on_the_dynamic_dim_match_cpu(bucketed):
             torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-4)
     graphs, fallbacks = _counts()
     assert fallbacks == 0
-    assert graphs == 2              # t in bucket 16 (5, 9, 12) and bucket 32 (20)
+    assert graphs == 1 + 2          # (3, 5) exactly, then t in bucket 16 (9, 12) and 32 (20)
 
 
 def test_sort_and_topk_along_the_dynamic_dim(bucketed):
@@ -300,7 +304,7 @@ def test_sort_and_topk_along_the_dynamic_dim(bucketed):
         x[1, 2] = float("-inf")
         for a, b in zip(g(x.to("neuron")), f(x)):
             torch.testing.assert_close(a.cpu(), b, equal_nan=True)
-    assert _counts() == (1, 0)
+    assert _counts() == (1 + 1, 0)   # t=5 exactly, then bucket 16
 
 
 def test_an_op_without_a_rule_compiles_per_shape_and_says_which(bucketed):
@@ -330,7 +334,7 @@ def test_listed_buckets_per_compile_and_the_error_above_the_largest(bucketed):
     for t in (3, 8, 9, 24):
         x = torch.randn(2, t)
         torch.testing.assert_close(g(x.to("neuron")).cpu(), f(x))
-    assert _counts() == (2, 0)
+    assert _counts() == (1 + 2, 0)   # t=3 exactly, then buckets 8 and 24
     with pytest.raises(ValueError, match="above the largest shape bucket 24"):
         g(torch.randn(2, 30).to("neuron"))
 
@@ -371,7 +375,7 @@ def test_sizes_as_numbers_and_outputs_that_view_inputs(bucketed):
         # Views of the input come back as real aliases of it, as with static graphs.
         assert outs[0].untyped_storage().data_ptr() == xn.untyped_storage().data_ptr()
         assert outs[0].storage_offset() == 1
-    assert _counts() == (2, 0)
+    assert _counts() == (1 + 2, 0)   # t=5 exactly, then buckets 16 and 32
 
 
 def test_mark_dynamic_and_automatic_dynamic_graphs_are_bucketed(bucketed):
@@ -419,7 +423,7 @@ def test_dropout_in_a_bucketed_training_graph(bucketed):
         y = (x @ w.detach()).pow(2).sum(1)
         assert (out.cpu() <= 4 * y * (1 + 1e-4) + 1e-5).all()
         assert wn.grad is not None and torch.isfinite(wn.grad.cpu()).all()
-    assert _counts() == (2, 0)   # forward and backward graphs of bucket 16
+    assert _counts() == (2 * 2, 0)   # forward and backward graphs: t=5 exactly, then bucket 16
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -447,4 +451,31 @@ def test_hugging_face_causal_lm_forward_is_bucketed(bucketed, arch):
             out = f(input_ids=ids.to("neuron"), use_cache=False).logits
             torch.testing.assert_close(out.cpu(), cpu(input_ids=ids, use_cache=False).logits,
                                        rtol=1e-4, atol=1e-5)
-    assert _counts() == (2, 0)
+    assert _counts() == (1 + 2, 0)   # t=7 exactly, then buckets 16 and 32
+
+
+def test_box_reads_and_writes_of_views_with_row_major_tails(bucketed):
+    # Rows of static trailing dims move whole (ops/dynamic.py box_read/box_write with a tail);
+    # views whose tail is not row-major, offsets and transposed results take the element-wise path.
+    def f(x, y, z):
+        return x * 2, (x + y).transpose(0, 1), z.sum(-1), (z * 1).transpose(1, 2).contiguous()
+
+    g = torch.compile(f, backend="neuron")
+    gen = torch.Generator().manual_seed(11)
+    torchneuron.metrics.reset()
+    for t in (5, 7, 11, 21):     # the storage of `big` stays within the box's capacity
+        big = torch.randn(3, t, 10, generator=gen)
+        x = big[:, :, 1:9]                              # an offset view: only its last dim row-major
+        y = torch.randn(3, t, 8, generator=gen)
+        z = torch.randn(3, 8, t, generator=gen).transpose(1, 2)     # a tail that is not row-major
+        bign, yn = big.to("neuron"), y.to("neuron")
+        zn = z.transpose(1, 2).contiguous().to("neuron").transpose(1, 2)
+        xn = bign[:, :, 1:9]
+        for v in (xn, yn, zn):
+            torch._dynamo.mark_dynamic(v, 1)
+        for a, b in zip(g(xn, yn, zn), f(x, y, z)):
+            assert a.shape == b.shape and a.stride() == b.stride()
+            torch.testing.assert_close(a.cpu(), b)
+    graphs, fallbacks = _counts()
+    assert fallbacks == 0
+    assert graphs == 2                  # mark_dynamic: buckets 16 and 32 from the start

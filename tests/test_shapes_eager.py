@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import torchneuron
+from torchneuron.eager import kernel
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from test_shapes_bucketed import TinyGPT  # noqa: E402
@@ -17,6 +18,7 @@ from test_shapes_bucketed import TinyGPT  # noqa: E402
 @pytest.fixture
 def bucketed(monkeypatch):
     monkeypatch.setenv("TORCHNEURON_CACHE_DIR", "")
+    kernel.clear_cache()       # compile counts must not depend on which tests ran before
     torchneuron.config.shapes = "bucketed"
     torchneuron.metrics.reset()
     yield
@@ -195,4 +197,36 @@ def test_generate_with_the_default_cache_reuses_buckets(bucketed, family):
     run(6)                     # a new prompt length, every key length already seen in its bucket
     run(8)
     assert _compiles() - before <= 4, torchneuron.metrics()["eager_compiles"]
+    assert _extra("bucketed_eager_fallbacks") == 0
+
+
+def test_elementwise_ops_on_storages_in_their_order(bucketed):
+    # Elementwise ops over row-major views run on the storages as they are (no box read or
+    # write): a view at an offset, a mask of the last sizes broadcast over the leading dims, a
+    # static bias, a dtype change; a transposed view is read through its box.
+    torch.manual_seed(0)
+    bias = torch.randn(8)
+    bn = bias.to("neuron")
+
+    def ops(big, mask, t):
+        x = big[1]                                      # [t, 8] at offset t * 8
+        s = big.reshape(3, 1, t, 8) * 0.5               # [3, 1, t, 8] scores
+        return (torch.nn.functional.gelu(x) + (bn if big.device.type == "neuron" else bias),
+                s.masked_fill(mask, -1.0), (x > 0).to(torch.float16), big.transpose(0, 1).clone(),
+                torch.where(mask, s, x))
+
+    for t in (5, 9, 11, 13, 6):
+        big = torch.randn(3, t, 8)
+        mask = torch.rand(t, 8) > 0.5
+        got = ops(big.to("neuron"), mask.to("neuron"), t)
+        for g, want in zip(got, ops(big, mask, t)):
+            assert g.shape == want.shape and g.stride() == want.stride() and g.dtype == want.dtype
+            torch.testing.assert_close(g.cpu(), want)
+    before = _compiles()
+    for t in (7, 10, 12, 15):                           # bucket 16 again: nothing compiles
+        big = torch.randn(3, t, 8)
+        mask = torch.rand(t, 8) > 0.5
+        for g, want in zip(ops(big.to("neuron"), mask.to("neuron"), t), ops(big, mask, t)):
+            torch.testing.assert_close(g.cpu(), want)
+    assert _compiles() == before
     assert _extra("bucketed_eager_fallbacks") == 0

@@ -92,6 +92,9 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
 def _compile_aot(gm, example_inputs, opts: CompileOptions, bucketed: bool = False):
 
     graph_id = next(_graph_ids)
+    # dynamic=True makes every dim symbolic, varying or not: its sizes are compiled exactly until
+    # they vary. Otherwise a symbolic dim has varied (automatic dynamic) or was marked dynamic.
+    exact_first = not torch._dynamo.config.assume_static_by_default
 
     def compiler(kind):
         def compile_graph(aten_gm, aten_inputs):
@@ -102,7 +105,7 @@ def _compile_aot(gm, example_inputs, opts: CompileOptions, bucketed: bool = Fals
                 if bucketed:
                     return dynamic.BucketedProgram(aten_gm, kind, fallback=opts.fallback,
                                                    name=f"g{graph_id}_{kind}", dump_dir=opts.dump_dir,
-                                                   buckets=opts.buckets)
+                                                   buckets=opts.buckets, exact_first=exact_first)
                 return GraphProgram(aten_gm, kind, fallback=opts.fallback, name=f"g{graph_id}_{kind}",
                                     dump_dir=opts.dump_dir)
         return compile_graph

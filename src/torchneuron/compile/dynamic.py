@@ -234,6 +234,28 @@ def _shape_exprs(t):
     return tuple(expr_of(s) for s in t.shape)
 
 
+def _row_major(val) -> bool:
+    """Whether a fake tensor's symbolic strides are the row-major ones of its sizes."""
+    acc = sympy.Integer(1)
+    for size, stride in zip(reversed(val.shape), reversed(val.stride())):
+        size = expr_of(size)
+        if size != 1 and sympy.expand(expr_of(stride) - acc) != 0:
+            return False
+        acc = acc * size
+    return True
+
+
+def contiguous_tail(sizes, strides) -> int:
+    """How many trailing dims of a view are laid out row-major (sizes of 1 fit any stride)."""
+    k, acc = 0, 1
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        if size != 1 and stride != acc:
+            break
+        acc *= size
+        k += 1
+    return k
+
+
 def _is_static(expr) -> bool:
     return isinstance(expr, sympy.Integer | int)
 
@@ -244,13 +266,19 @@ class BucketedProgram:
 
     allow_inplace = False   # graphs with in-place updates compile per shape
 
-    def __init__(self, gm, kind, *, fallback="error", name="graph", dump_dir=None, buckets=None):
+    def __init__(self, gm, kind, *, fallback="error", name="graph", dump_dir=None, buckets=None,
+                 exact_first=False):
         self.gm, self.kind, self.fallback, self.name, self.dump_dir = gm, kind, fallback, name, dump_dir
         self._boxed_call = True
         self.buckets = parse_buckets(buckets if buckets is not None else config.shape_buckets)
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
         self.executables: dict = {}
+        # With exact_first (dynamic=True: every dim symbolic whether it varies or not), a symbol is
+        # compiled at its exact size until it is seen with a second one; otherwise (automatic
+        # dynamic, mark_dynamic: the dim has varied or was said to) it is bucketed from the start.
+        self.first_values: dict = {}   # symbol -> its first size
+        self.varied: set = set()       # symbols bucketed
         self._lock = threading.Lock()
         self.static = None           # the per-shape fallback, when the graph has no rule somewhere
         self.device_checks = config.device_checks
@@ -258,6 +286,8 @@ class BucketedProgram:
             self._plan()
         except NoRule as err:
             self._fall_back(err)
+        if not exact_first and self.static is None:
+            self.varied = set(self.symbols)
 
     # -- planning ----------------------------------------------------------------------------------
     def _plan(self):
@@ -371,13 +401,21 @@ class BucketedProgram:
             values[e] = int(a) if d is None else int(a.shape[d])
         buckets = {}
         for e in self.symbols:
-            buckets[e] = bucket_for(values[e], self.buckets, self.where[e])
-            metrics.dynamic_sizes[self.dim_names[e]][values[e]] += 1   # for the bucket advisor
+            # exact_first: a symbol keeps its exact size until it is seen with a second one (with
+            # dynamic=True a batch that is always 2 must not run padded to a bucket).
+            v = values[e]
+            if e not in self.varied and self.first_values.setdefault(e, v) != v:
+                self.varied.add(e)
+            buckets[e] = bucket_for(v, self.buckets, self.where[e]) if e in self.varied else v
+            metrics.dynamic_sizes[self.dim_names[e]][v] += 1   # for the bucket advisor
         ins, specs = self._inputs(args, buckets)
         device_index = ins.device_index
         # What decides the program: the buckets, every input's spec and the sizes of the storages
         # it reads (runtime/inputs.py); true sizes, strides and view offsets are runtime inputs.
-        key = (tuple(buckets[e] for e in self.symbols), tuple(specs), tuple(ins.storages))
+        # A size not yet varied is compiled in as a constant (no mask, no gather on it): marked in
+        # the key, so a bucket of the same size does not take its executable.
+        exact = frozenset(e for e in self.symbols if e not in self.varied)
+        key = (tuple((buckets[e], e in exact) for e in self.symbols), tuple(specs), tuple(ins.storages))
         sym_inputs = [np.asarray(values[e], np.int64) for e in self.symbols]
         if self.random:
             gen = rng.generator(device_index if device_index is not None else current_device())
@@ -390,7 +428,7 @@ class BucketedProgram:
                 exe = self.executables.get(key)
                 if exe is None:
                     try:
-                        exe = self._compile(key, buckets, specs, ins, sym_inputs)
+                        exe = self._compile(key, buckets, specs, ins, sym_inputs, exact)
                     except NoRule as err:
                         self._fall_back(err)
                         return self.static(args)
@@ -420,7 +458,7 @@ class BucketedProgram:
                 specs.append(("graph", ins.graph_arg(a)))
                 continue
             box = int(np.prod([_padded(e, buckets) for e in _shape_exprs(v)]))
-            specs.append(("box", box_input(ins, a, box), a.dtype))
+            specs.append(("box", box_input(ins, a, box), a.dtype, contiguous_tail(a.shape, a.stride())))
         return ins, specs
 
     def _output_layouts(self, values):
@@ -446,13 +484,14 @@ class BucketedProgram:
             padded.extend(_padded(f, buckets) for f in fs)
         return tuple(true), tuple(padded)
 
-    def _compile(self, key, buckets, specs, ins, sym_inputs):
+    def _compile(self, key, buckets, specs, ins, sym_inputs, exact=frozenset()):
         if self.executables:
             metrics.recompiles[f"{self.kind} graph: a new shape bucket (config.shapes='bucketed')"] += 1
         for e in self.symbols:   # for the bucket advisor: compiles per bucket, and the ladder
-            metrics.bucket_compiles[self.dim_names[e]][buckets[e]] += 1
+            if e not in exact:   # a size compiled in before it varied is no bucket of the ladder
+                metrics.bucket_compiles[self.dim_names[e]][buckets[e]] += 1
             metrics.dynamic_ladders[self.dim_names[e]] = _ladder_text(self.buckets)
-        tracer = _Trace(self, buckets, specs, len(ins.bufs), len(ins.runtime))
+        tracer = _Trace(self, buckets, specs, len(ins.bufs), len(ins.runtime), exact)
         tracer.__name__ = f"neuron_bucketed_{self.kind}"
         try:
             _, compiled, _ = executables.compile_traced(tracer, ins.bufs, [*ins.runtime, *sym_inputs])
@@ -494,6 +533,7 @@ class BucketedProgram:
         """What each output is: a new array the program writes, an input, a view of one (a real
         alias, as GraphProgram returns it), a size computed on the host, or a constant."""
         kinds, n = [], 0
+        self.out_row_major = []     # per written output: laid out row-major at every size
         ph_index = {ph: i for i, ph in enumerate(self.placeholders)}
         ph_storage = {}
         for i, ph in enumerate(self.placeholders):
@@ -512,6 +552,7 @@ class BucketedProgram:
                                        expr_of(val.storage_offset()))))
             elif isinstance(val, torch.Tensor):
                 kinds.append(("array", (out, n)))
+                self.out_row_major.append(_row_major(val))
                 n += 1
             else:
                 kinds.append(("sym", expr_of(val)) if isinstance(val, torch.SymInt | int) else ("const", val))
@@ -557,9 +598,10 @@ class _Trace:
     """The traced function of one bucket: (storage buffers..., runtime values..., true sizes...,
     output layouts...)."""
 
-    def __init__(self, program, buckets, specs, nbufs, nruntime):
+    def __init__(self, program, buckets, specs, nbufs, nruntime, exact=frozenset()):
         self.p, self.buckets, self.specs = program, buckets, specs
         self.nbufs, self.nruntime = nbufs, nruntime
+        self.exact = exact      # symbols whose size is compiled in (their bucket is their size)
         self.checks = ()
 
     def __call__(self, *flat):
@@ -568,7 +610,7 @@ class _Trace:
         rt = iter(flat[self.nbufs:self.nbufs + self.nruntime])
         rest = flat[self.nbufs + self.nruntime:]
         nsym = len(p.symbols)
-        self.values = dict(zip(p.symbols, rest[:nsym]))
+        self.values = {e: self.buckets[e] if e in self.exact else v for e, v in zip(p.symbols, rest[:nsym])}
         self.base_key = None
         if p.random:
             seed, offset = rest[nsym:nsym + 2]
@@ -585,12 +627,14 @@ class _Trace:
             else:
                 view = next(rt)
                 env[ph] = self.read_box(bufs[spec[1]], spec[2], _shape_exprs(v), view[0],
-                                        [view[1 + d] for d in range(v.dim())])
+                                        [view[1 + d] for d in range(v.dim())], tail=spec[3])
         return self.evaluate(env, out_layouts)
 
-    def read_box(self, buf, dtype, exprs, offset, strides):
-        """The padded box of an input view with true sizes ``exprs`` (traced offset and strides)."""
-        return dyn.box_read(layout.reinterpret(buf, jax_dtype(dtype)), self.box_dims(exprs), strides, offset)
+    def read_box(self, buf, dtype, exprs, offset, strides, tail=0):
+        """The padded box of an input view with true sizes ``exprs`` (traced offset and strides;
+        ``tail`` trailing dims known row-major)."""
+        return dyn.box_read(layout.reinterpret(buf, jax_dtype(dtype)), self.box_dims(exprs), strides, offset,
+                            tail)
 
     def box_dims(self, exprs):
         """Per dim of a value with sizes ``exprs``: its factors ((true, padded), ...)."""
@@ -615,7 +659,7 @@ class _Trace:
             nd = len(exprs)
             vec = out_layouts[j]
             results.append(dyn.box_write(self.result(env, out), self.box_dims(exprs), [vec[d] for d in range(nd)],
-                                         [vec[nd + d] for d in range(nd)]))
+                                         [vec[nd + d] for d in range(nd)], contiguous=self.p.out_row_major[j]))
         if found:
             results.append(checks.pack(found))
         return tuple(results)
@@ -664,11 +708,16 @@ class _Trace:
             elif not compact and compound(e, self.p.order):
                 out.append(self.factor_lens(e))
             else:
-                out.append(evaluate(e, self.values))
+                out.append(self._true_or_none(e))
         return tuple(out)
 
+    def _true_or_none(self, e):
+        """The true size of ``e``, or None where it is its padded size (compiled-in sizes)."""
+        true = evaluate(e, self.values)
+        return None if isinstance(true, int) and true == self.padded_int(e) else true
+
     def factor_lens(self, e):
-        return dyn.Factors((None if _is_static(f) else evaluate(f, self.values), self.padded_int(f))
+        return dyn.Factors((None if _is_static(f) else self._true_or_none(f), self.padded_int(f))
                            for f in factors(e, self.p.order))
 
     def split_shape(self, exprs):

@@ -24,9 +24,11 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import sympy
 import torch
+from jax import lax
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -36,7 +38,8 @@ from ..metrics import metrics
 from ..ops import checks
 from ..ops import dynamic as dyn
 from ..ops.signature import OPT_TENSOR_LIST, TENSOR_LIST, registry_name
-from ..runtime import inputs, memory, pjrt, sites
+from ..runtime import inputs, layout, memory, pjrt, sites
+from ..runtime.dtypes import jax_dtype
 from ..runtime.executable import Executable
 from ..runtime.inputs import CPU_SCALAR, EMPTY, is_view
 from .dynamic import (
@@ -47,11 +50,14 @@ from .dynamic import (
     _shape_exprs,
     _Trace,
     bucket_for,
+    contiguous_tail,
     give_capacity,
     parse_buckets,
 )
 
 _REASON = "a new shape bucket (config.shapes='bucketed')"
+# Ops that copy elements one to one, as elementwise ops do (they carry no pointwise tag).
+_COPIES = frozenset({"clone.default", "_to_copy.default", "alias_copy.default"})
 _LISTS = (TENSOR_LIST, OPT_TENSOR_LIST)
 _WIDE = (torch.float64, torch.complex128)
 
@@ -102,12 +108,17 @@ def _family(families: list, numbers, free=frozenset()) -> _Family:
 _history: dict = {}     # shape-free signature and user line -> [_Family, ...]
 _programs: dict = {}    # bucket key -> compiled program
 _refused: dict = {}     # (signature, dynamic positions, sharing) -> why it is not bucketed
+# Exact key of a call whose storages were given a bucket's capacity -> (its executable, the
+# (slot, capacity) given): the key a fresh storage (a prompt from the host, a new factory result)
+# has before it grows, so a length seen before costs no planning.
+_regrown: dict = {}
 
 
 def clear(_setting=None) -> None:
     _history.clear()
     _programs.clear()
     _refused.clear()
+    _regrown.clear()
 
 
 # -- what a call's key says about sizes ---------------------------------------------------------------
@@ -155,9 +166,37 @@ def _view_free(spec, at, numbers, where):
 
 
 # -- the eager entry point ------------------------------------------------------------------------------
-def bucketer(kernel, key, values, specs, ctx, planned):
+def bucketer(kernel, key, values, specs, ctx, plan):
     """The executable for a call that missed the exact cache: a bucketed one when sizes of this op
-    varied before and it has a rule, else ``planned`` (the exact executable, not compiled yet)."""
+    varied before and it has a rule, else ``plan()`` (the exact executable, not compiled yet)."""
+    known = _regrown.get(key)
+    if known is not None and _regrow(known[1], ctx):
+        return known[0]
+    before = tuple(ctx.storages)
+    exe = _bucketed(kernel, key, values, specs, ctx, plan())
+    if exe.boxed and tuple(ctx.storages) != before:
+        _regrown[key] = (exe, tuple((slot, numel) for slot, ((numel, _), old) in
+                                    enumerate(zip(ctx.storages, before)) if numel != old[0]))
+    return exe
+
+
+def _regrow(grow, ctx) -> bool:
+    """Give the storages of a call the capacities an earlier call with the same key got; False if
+    one of them has another capacity already (the call is then planned as new)."""
+    for slot, numel in grow:
+        rec = memory.allocator.records[ctx.addrs[slot]]
+        if rec.boxed and rec.numel != numel:
+            return False
+    for slot, numel in grow:
+        rec = memory.allocator.records[ctx.addrs[slot]]
+        if not rec.boxed:
+            give_capacity(rec, numel)
+        ctx.bufs[slot] = memory.empty_buffer(rec)
+        ctx.storages[slot] = (rec.numel, rec.dtype)
+    return True
+
+
+def _bucketed(kernel, key, values, specs, ctx, planned):
     inplace = bool(planned.writes)
     if inplace and not _plain_inplace(kernel, planned, values):
         return planned
@@ -203,16 +242,55 @@ def bucketer(kernel, key, values, specs, ctx, planned):
     # Whether each view's offset is a runtime input is the program's (a view of a whole storage of
     # exactly its size reads from 0), not the family's.
     offsets = tuple(v[inputs.OFFSET] is None for v in inputs.views(specs))
-    bkey = (signature, dynamic, sharing, static_numbers, offsets, buckets, tuple(ctx.storages))
+    # Which layouts the program reads faster (rows, storage order): the program's too.
+    tails = _layouts(kernel, specs, dyn_at)
+    # Whether each result is row-major is the call's (its meta kernel on symbolic sizes may say
+    # contiguous where the call keeps a permuted layout), and the program's.
+    row_major = tuple(contiguous_tail(o[1], o[2]) == len(o[1]) for o in planned.out_specs if o is not None)
+    bkey = (signature, dynamic, sharing, static_numbers, offsets, tails, row_major, buckets, tuple(ctx.storages))
     program = _programs.get(bkey)
     try:
         if program is None:
-            program = _EagerProgram(kernel, values, specs, key[2], dyn_at, distinct, buckets, ctx)
+            program = _EagerProgram(kernel, values, specs, key[2], dyn_at, distinct, buckets, ctx, row_major)
         exe = program.executable(planned, distinct, boxes, specs, ctx)
     except NoRule as err:
         return _refuse(refused_key, kernel, f"{err.op}: {err.why}", planned)
     _programs[bkey] = program
     return exe
+
+
+def _views_at(kernel, specs):
+    """(position in dyn_at, view spec) of every tensor argument, in reading order."""
+    for j, ((_, kind), spec) in enumerate(zip(kernel.inputs, specs)):
+        listed = kind in _LISTS and spec is not None
+        for p, s in enumerate(spec if listed else (spec,)):
+            if is_view(s):
+                yield ("spec", j, p if listed else None), s
+
+
+def _layouts(kernel, specs, dyn_at) -> tuple:
+    """Per view: (its row-major trailing dims that are not dynamic, whether it is row-major
+    throughout), what decides how a program reads it (``_row_tail``)."""
+    out = []
+    for at, s in _views_at(kernel, specs):
+        static = 0
+        for d in reversed(range(len(s[1]))):
+            if (*at, d) in dyn_at:
+                break
+            static += 1
+        tail = contiguous_tail(s[1], s[2])
+        out.append((min(tail, static), tail == len(s[1])))
+    return tuple(out)
+
+
+def _row_tail(spec, exprs) -> int:
+    """The row-major trailing dims of a view whose sizes are not dynamic (read as whole rows)."""
+    static = 0
+    for e in reversed(exprs):
+        if not isinstance(e, sympy.Integer):
+            break
+        static += 1
+    return min(contiguous_tail(spec[1], spec[2]), static)
 
 
 def _plain_inplace(kernel, planned, values) -> bool:
@@ -239,19 +317,16 @@ def _give_capacity(kernel, specs, dyn_at, buckets, ctx):
     """Each view with a dynamic dim: its storage given a bucket's capacity if it has none yet
     (``memory.recapacity``, counted); the view specs with a dynamic dim, in reading order."""
     boxes = []
-    for j, ((_, kind), spec) in enumerate(zip(kernel.inputs, specs)):
-        listed = kind in _LISTS and spec is not None
-        for p, s in enumerate(spec if listed else (spec,)):
-            at = ("spec", j, p if listed else None)
-            if is_view(s) and any((*at, d) in dyn_at for d in range(len(s[1]))):
-                padded = [buckets[dyn_at[(*at, d)]] if (*at, d) in dyn_at else size for d, size in enumerate(s[1])]
-                slot = s[inputs.SLOT]
-                rec = memory.allocator.records[ctx.addrs[slot]]
-                if not rec.boxed:
-                    give_capacity(rec, int(np.prod(padded)))
-                    ctx.bufs[slot] = memory.empty_buffer(rec)
-                    ctx.storages[slot] = (rec.numel, rec.dtype)
-                boxes.append(s)
+    for at, s in _views_at(kernel, specs):
+        if any((*at, d) in dyn_at for d in range(len(s[1]))):
+            padded = [buckets[dyn_at[(*at, d)]] if (*at, d) in dyn_at else size for d, size in enumerate(s[1])]
+            slot = s[inputs.SLOT]
+            rec = memory.allocator.records[ctx.addrs[slot]]
+            if not rec.boxed:
+                give_capacity(rec, int(np.prod(padded)))
+                ctx.bufs[slot] = memory.empty_buffer(rec)
+                ctx.storages[slot] = (rec.numel, rec.dtype)
+            boxes.append(s)
     return boxes
 
 
@@ -259,7 +334,7 @@ def _give_capacity(kernel, specs, dyn_at, buckets, ctx):
 class _EagerProgram:
     """One op traced for one bucket of its dynamic sizes, compiled once."""
 
-    def __init__(self, kernel, values, specs, statics, dyn_at, distinct, buckets, ctx):
+    def __init__(self, kernel, values, specs, statics, dyn_at, distinct, buckets, ctx, row_major):
         self.kernel = kernel
         # An in-place op is traced as its functional twin where it has one (``add_`` -> ``add``),
         # else as itself; its new value of self is written back into self's storage.
@@ -341,14 +416,51 @@ class _EagerProgram:
             graph.output((node,))
         gm = torch.fx.GraphModule(torch.nn.Module(), graph)
         self.program = _Planned(gm, "eager", name=kernel.short_name, buckets=config.shape_buckets)
+        self.program.out_row_major = list(row_major)
         self.bucket_values = dict(zip(self.symbols, buckets))
         outs = [k for k in self.program.output_kinds if k[0] == "array"]
         if len(outs) != len(self.program.output_kinds) and not self.inplace:
             raise NoRule(kernel.short_name, "a result that aliases an input")
         self.device_index = ctx.device_index
         self.nbufs, self.nruntime = len(ctx.bufs), len(ctx.runtime)
+        self.flat = self._flat_elementwise(target, out)
+        self.flat_out_exprs = _shape_exprs(out) if self.flat else None
         self.compiled = None
         self.checks = ()
+
+    def _flat_elementwise(self, target, out) -> bool:
+        """Whether the op can run on its inputs' storages as they are, with no box read or write: an
+        elementwise op whose one result is row-major, each dynamic input a row-major view of the
+        result's sizes (its data is in the result's element order) and every other input static
+        and no wider than the result's trailing static dims (it broadcasts the same way over the
+        storage's order as over the box's)."""
+        elementwise = torch.Tag.pointwise in target.tags or registry_name(target) in _COPIES
+        if self.inplace or not elementwise or not isinstance(out, torch.Tensor):
+            return False
+        if not self.program.out_row_major[0]:
+            return False
+        out_exprs = _shape_exprs(out)
+        static_tail = 0
+        for e in reversed(out_exprs):
+            if not isinstance(e, sympy.Integer):
+                break
+            static_tail += 1
+        for ph, read in zip(self.program.placeholders, self.reads):
+            v = ph.meta["val"]
+            if read[0] in ("scalar",):
+                continue
+            if read[0] == "size" or not isinstance(v, torch.Tensor):
+                return False
+            if read[0] == "view" and read[2]:
+                spec = read[1]
+                exprs = _shape_exprs(v)
+                # The result's sizes, or the last of them (a [t, t] mask over [b, h, t, t] scores).
+                if not exprs or exprs != out_exprs[len(out_exprs) - len(exprs):] \
+                        or contiguous_tail(spec[1], spec[2]) != len(spec[1]):
+                    return False
+            elif v.dim() > static_tail or any(isinstance(s, torch.SymInt) for s in v.shape):
+                return False
+        return True
 
     def _fake(self, t, spec, at, dyn_at, syms):
         if spec.__class__ is type:                      # a runtime scalar
@@ -376,6 +488,9 @@ class _EagerProgram:
         extras.extend(np.asarray(s[inputs.STRIDES], np.int64) for s in boxes)
         for _, sizes, strides in planned.out_specs:
             extras.append(np.asarray((*sizes, *strides), np.int64))
+        # On the device once: jit would otherwise copy each host array at every call (and the
+        # first call must see them as every later one does, or jit compiles twice).
+        extras = [memory.jax_put(v, self.device_index) for v in extras]
         first = []     # the results of the call that compiled the program, handed to that call
         if self.compiled is None:
             first.append(self.compile_with(ctx.bufs, ctx.runtime, extras, specs))
@@ -468,13 +583,20 @@ class _EagerTrace(_Trace):
                 offset = next(rt) if spec[inputs.OFFSET] is None else 0
                 strides = next(rest)
                 strides = [strides[d] for d in range(len(spec[1]))]
-                env[ph] = self.read_box(bufs[spec[inputs.SLOT]], spec[0], _shape_exprs(v), offset, strides)
+                if e.flat:
+                    env[ph] = self.read_flat(bufs[spec[inputs.SLOT]], spec[0], _shape_exprs(v), offset,
+                                             e.flat_out_exprs)
+                else:
+                    env[ph] = self.read_box(bufs[spec[inputs.SLOT]], spec[0], _shape_exprs(v), offset, strides,
+                                            tail=_row_tail(spec, _shape_exprs(v)))
                 if n == 0:
                     written = (spec, offset, strides)
             else:
                 env[ph], offset = inputs.read(read[1], bufs, rt)
                 if n == 0 and read[0] == "view":
                     written = (read[1], offset, None)
+        if e.flat:
+            return self.evaluate_flat(env, list(rest))
         if not e.inplace:
             return self.evaluate(env, list(rest))
         found = self.run_steps(env)
@@ -491,6 +613,39 @@ class _EagerTrace(_Trace):
             new_buf = dyn.box_scatter(flat, value.astype(flat.dtype), self.box_dims(_shape_exprs(out.meta["val"])),
                                       strides, offset)
         return (new_buf, checks.pack(found)) if found else (new_buf,)
+
+
+    def read_flat(self, buf, dtype, exprs, offset, out_exprs):
+        """A row-major view's elements in storage order, as many as the result's box holds, shaped
+        as that box (its data is not where the box would put it: only an elementwise op may use
+        it). A view of the result's last sizes repeats, as broadcasting repeats it."""
+        shape = tuple(self.padded_int(x) for x in out_exprs)
+        n = int(np.prod(shape, dtype=np.int64))
+        flat = layout.reinterpret(buf, jax_dtype(dtype))
+        if len(exprs) == len(out_exprs) and isinstance(offset, int) and offset == 0 and flat.shape[0] >= n:
+            return flat[:n].reshape(shape)
+        itype = jnp.int64 if flat.shape[0] + n >= 2**31 - 1 else jnp.int32
+        pos = lax.iota(itype, n)
+        if len(exprs) < len(out_exprs):
+            numel = 1
+            for x in exprs:
+                numel = numel * self.true(x)
+            pos = pos % jnp.maximum(jnp.asarray(numel).astype(itype), 1)
+        idx = jnp.asarray(offset).astype(itype) + pos
+        return jnp.take(flat, idx, mode="fill", fill_value=0).reshape(shape)
+
+    def evaluate_flat(self, env, out_layouts):
+        """The elementwise op on storage-ordered inputs: its result is already the true tensor's
+        storage, zeros after its last element."""
+        found = self.run_steps(env)
+        out = next(what[0] for kind, what in self.p.output_kinds if kind == "array")
+        value = self.result(env, out).reshape(-1)
+        vec = out_layouts[0]
+        numel = 1
+        for d in range(out.meta["val"].dim()):
+            numel = numel * vec[d]
+        value = jnp.where(lax.iota(jnp.int32, value.shape[0]) < numel, value, jnp.zeros((), value.dtype))
+        return (value, checks.pack(found)) if found else (value,)
 
 
 def apply_setting(value) -> None:

@@ -212,11 +212,14 @@ class Kernel(Planning, OpSignature):
 
     # -- a new key ------------------------------------------------------------------------------
     def _miss(self, key, values, specs, ctx):
-        exe = self._plan(values, specs, ctx)
         if bucketer is not None and recorder is None:
-            exe = bucketer(self, key, values, specs, ctx, exe)
+            exe = bucketer(self, key, values, specs, ctx, lambda: self._plan(values, specs, ctx))
             if exe.boxed:   # storages it reads may have been given a bucket's capacity
                 key = (*key[:3], tuple(ctx.storages), *key[4:])
+                if _cache.get(key) is exe:   # a length seen before, from a fresh storage
+                    return exe
+        else:
+            exe = self._plan(values, specs, ctx)
         exe.key, exe.reason = key, compile_reason(key, self.keys)
         _cache[key] = exe
         self.keys.append(key)

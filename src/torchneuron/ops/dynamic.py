@@ -186,6 +186,9 @@ def _place(out, piece, dim, offset):
 def reshape(x, true_in, true_out, padded_out):
     """A reshape of a padded array whose exact region is not a prefix of the padded one in memory:
     each output position takes the element at the same row-major position of the true shapes."""
+    if all(isinstance(t, int) for t in (*true_in, *true_out)) and tuple(true_in) == tuple(x.shape) \
+            and tuple(true_out) == tuple(padded_out):
+        return x.reshape(padded_out)    # sizes compiled in and nothing padded: a plain reshape
     total = None
     for d, n in enumerate(padded_out):
         shp = [1] * len(padded_out)
@@ -270,14 +273,39 @@ def _box_index(dims, strides, offset, n):
     return jnp.broadcast_to(idx, shape), valid
 
 
-def box_read(flat, dims, strides, offset):
+def static_tail(dims) -> int:
+    """How many trailing dims of a box are not padded (one factor whose true size is its padded
+    size, compiled in): the block a row-wise read or write moves whole."""
+    k = 0
+    for fs in reversed(dims):
+        if len(fs) != 1 or not (isinstance(fs[0][0], int) and fs[0][0] == fs[0][1]):
+            break
+        k += 1
+    return k
+
+
+def box_read(flat, dims, strides, offset, tail: int = 0):
     """The padded box of the view (``strides``, ``offset`` into ``flat``): exact where every factor
-    is below its true size, zeros elsewhere."""
-    idx, valid = _box_index(dims, strides, offset, flat.shape[0])
-    values = flat[jnp.clip(idx, 0, flat.shape[0] - 1)]
+    is below its true size, zeros elsewhere. ``tail``: how many trailing dims the view is known
+    (from its key) to hold contiguously; those that are not padded are read as whole rows."""
+    k = min(tail, static_tail(dims))
+    inner = int(np.prod([fs[0][1] for fs in dims[len(dims) - k:]], dtype=np.int64)) if k else 1
+    if inner == 1 or k == len(dims):
+        idx, valid = _box_index(dims, strides, offset, flat.shape[0])
+        values = flat[jnp.clip(idx, 0, flat.shape[0] - 1)]
+        if valid is None:
+            return values
+        return jnp.where(valid, values, jnp.zeros((), flat.dtype))
+    lead = dims[:len(dims) - k]
+    starts, valid = _box_index(lead, strides, offset, flat.shape[0])
+    starts = jnp.clip(starts, 0, max(flat.shape[0] - inner, 0))
+    rows = lax.gather(flat, starts.reshape(-1, 1),
+                      lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(), start_index_map=(0,)),
+                      slice_sizes=(inner,), mode=lax.GatherScatterMode.CLIP)
+    rows = rows.reshape(*starts.shape, *[fs[0][1] for fs in dims[len(dims) - k:]])
     if valid is None:
-        return values
-    return jnp.where(valid, values, jnp.zeros((), flat.dtype))
+        return rows
+    return jnp.where(valid.reshape(*valid.shape, *([1] * k)), rows, jnp.zeros((), flat.dtype))
 
 
 def box_scatter(flat, box, dims, strides, offset):
@@ -289,12 +317,27 @@ def box_scatter(flat, box, dims, strides, offset):
     return flat.at[idx.reshape(-1)].set(box.reshape(-1).astype(flat.dtype), mode="drop")
 
 
-def box_write(box, dims, sizes, strides):
+def box_write(box, dims, sizes, strides, contiguous: bool = False):
     """A flat buffer of the box's size holding the true tensor of the padded ``box`` laid out with
-    ``sizes`` and dense ``strides`` (traced or static), zeros after its last element."""
+    ``sizes`` and dense ``strides`` (traced or static), zeros after its last element. With
+    ``contiguous`` (the layout is row-major, known from the graph) the trailing dims that are not
+    padded move as whole rows, and only the rows' positions are computed."""
     capacity = int(np.prod(box.shape))
+    k = static_tail(dims) if contiguous else 0
+    if k == len(dims):                 # nothing padded: the box is the tensor
+        return box.reshape(-1)
+    inner = int(np.prod(box.shape[len(dims) - k:], dtype=np.int64)) if k else 1
+    if contiguous:
+        # Row-major strides of the leading dims, counted in rows of ``inner`` elements.
+        lead_sizes = list(sizes[:len(dims) - k])
+        row_strides, acc = [], 1
+        for size in reversed(lead_sizes):
+            row_strides.append(acc)
+            acc = acc * size
+        dims, sizes, strides = dims[:len(dims) - k], lead_sizes, row_strides[::-1]
+    rows = capacity // inner
     itype = _index_dtype(max(capacity, 1))
-    pos = lax.iota(itype, capacity)
+    pos = lax.iota(itype, rows)
     numel, src = 1, 0
     box_scale = 1
     coords = []
@@ -316,8 +359,13 @@ def box_write(box, dims, sizes, strides):
             scale = scale * p
         src = src + box_index * box_scale
         box_scale *= int(np.prod([p for _, p in fs]))
-    values = box.reshape(-1)[jnp.clip(src, 0, capacity - 1)]
-    return jnp.where(pos < numel, values, jnp.zeros((), box.dtype))
+    src = jnp.clip(src, 0, rows - 1)
+    keep = pos < numel
+    if inner == 1:
+        values = box.reshape(-1)[src]
+        return jnp.where(keep, values, jnp.zeros((), box.dtype))
+    values = box.reshape(rows, inner)[src]
+    return jnp.where(keep[:, None], values, jnp.zeros((), box.dtype)).reshape(-1)
 
 
 def _as(v, itype):
