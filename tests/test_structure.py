@@ -22,7 +22,7 @@ _ROOT = os.path.dirname(os.path.abspath(torchneuron.__file__))
 # __init__ (which registers the device) is above everything.
 _LAYERS = {"config": -1, "metrics": -1, "seams": -1,
            "runtime": 0, "ops": 1, "eager": 2, "kernels": 2, "compile": 3, "distributed": 3, "integrations": 3,
-           "profiler": 4, "where": 4, "report": 5, "cache_tools": 5, "cli": 6, "__main__": 7}
+           "profiler": 4, "where": 4, "shape_warmup": 4, "report": 5, "cache_tools": 5, "cli": 6, "__main__": 7}
 
 
 def _module_name(path: str) -> str:

@@ -85,6 +85,13 @@ def _autoload() -> None:
     register()
 
 
+def warmup(fn, example_inputs, buckets, *, dim: int = 1, grad: bool = False) -> dict:
+    """Compile ``fn``'s shape buckets ahead of traffic (``config.shapes="bucketed"``): see
+    ``torchneuron/shape_warmup.py``."""
+    from . import shape_warmup  # not at the top: only serving code calls it
+    return shape_warmup.warmup(fn, example_inputs, buckets, dim=dim, grad=grad)
+
+
 def set_eager_mode(mode: str) -> None:
     """Switch eager execution between ``"plain"`` (one executable per op) and ``"adaptive"``."""
     from .eager import adaptive  # not at the top: see there

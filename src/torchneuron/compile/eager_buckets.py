@@ -42,6 +42,7 @@ from ..runtime import inputs, layout, memory, pjrt, sites
 from ..runtime.dtypes import jax_dtype
 from ..runtime.executable import Executable
 from ..runtime.inputs import CPU_SCALAR, EMPTY, is_view
+from . import cache
 from .dynamic import (
     _RANDOM_ELEMENTWISE,
     BucketedProgram,
@@ -516,8 +517,11 @@ class _EagerProgram:
         sharding = jax.sharding.SingleDeviceSharding(pjrt.device(self.device_index))
         try:
             # jit's own dispatch (its C++ fast path) serves later calls: the extras' avals never change.
-            jitted = jax.jit(run, out_shardings=sharding)
-            results = jitted(*bufs, *runtime, *extras)
+            # Compiled under the persistent cache as graphs are: a second process serving the same
+            # traffic loads the program instead of compiling it.
+            with cache.graph_compile_context() as hits:
+                jitted = jax.jit(run, out_shardings=sharding)
+                results = jitted(*bufs, *runtime, *extras)
         except NoRule:
             raise
         except Exception as err:  # noqa: BLE001 - a node without a working rule: compiled per shape
@@ -529,9 +533,12 @@ class _EagerProgram:
         self.checks = trace.checks
         seconds = time.perf_counter() - start
         metrics.compile_seconds += seconds
-        metrics.executables_compiled += 1
-        metrics.eager_compiles[_REASON] += 1
-        metrics.extra["bucketed_eager_compiles"] += 1
+        if hits.count:
+            metrics.extra["bucketed_eager_persistent_cache_hits"] += 1
+        else:
+            metrics.executables_compiled += 1
+            metrics.eager_compiles[_REASON] += 1
+            metrics.extra["bucketed_eager_compiles"] += 1
         return results
 
 
