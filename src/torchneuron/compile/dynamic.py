@@ -1112,6 +1112,22 @@ def _select(call):
     return dyn.select(x, dim, index, lens[dim])
 
 
+@rule("flip.default")
+def _flip(call):
+    # Along a dynamic dim the true elements reversed are x[len - 1 - i]: a gather of the padded
+    # array at (len - 1 - i) mod padded (the pad positions read pad elements, don't-care).
+    x = call.arrays[0]
+    lens = call.lens(0)
+    for d in sorted({d % max(x.ndim, 1) for d in call.values[1]}):
+        if lens[d] is None:
+            x = jnp.flip(x, d)
+            continue
+        n = x.shape[d]
+        idx = (jnp.asarray(lens[d]).astype(jnp.int32) - 1 - lax.iota(jnp.int32, n)) % n
+        x = jnp.take(x, idx, axis=d)
+    return x
+
+
 @rule("view.default", "_unsafe_view.default", "reshape.default")
 def _view(call):
     t = call.t
