@@ -14,6 +14,11 @@ The sweep appends one JSON line per sample to ``--results`` (default
 (``--jobs``; a worker that crashes is replaced and the entry it was on recorded as failing), or
 re-rendered without running anything (``--render-only``); see ``tools/sweep.py``.
 
+``--shapes bucketed`` runs the sweep at padded sizes instead: every sample compiled with
+``torch.compile(backend="neuron")`` and ``config.shapes = "bucketed"``, its dims of size >= 2 marked
+dynamic (``tests/opinfo/bucketed.py``), with results in ``build/coverage/bucketed.jsonl``; it writes
+only the report's last section, "Bucketed shapes" (a static sweep keeps that section as it is).
+
 The sweep runs the OpInfo harness of this checkout (``tests/opinfo``, with the test extras:
 ``pip install -e ".[test]"``; ``--tests-dir`` points at another checkout's ``tests`` directory).
 Run it from the repository root: ``python -m tools.coverage``.

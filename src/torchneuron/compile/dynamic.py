@@ -1123,8 +1123,8 @@ def _slice(call):
     if lens[dim] is None:
         return call.apply()
     step = call.values[4] if len(call.values) > 4 and call.values[4] is not None else 1
-    if step != 1:
-        raise NoRule("slice.Tensor", "a step other than 1 along a dynamic dim")
+    if not isinstance(step, int) or step < 1:
+        raise NoRule("slice.Tensor", "a dynamic step along a dynamic dim")
     start = call.values[2]
     start = 0 if start is None else start
     if isinstance(start, torch.fx.Node):
@@ -1132,6 +1132,13 @@ def _slice(call):
     if isinstance(start, int) and start < 0:
         start = jnp.maximum(start + lens[dim], 0)
     out_len = call.t.padded_int(_shape_exprs(call.node.meta["val"])[dim])
+    if step != 1:
+        # Element k of the result is x[start + k * step] (exact while k is below the true length).
+        if x.shape[dim] == 0 or out_len == 0:
+            return jax.lax.slice_in_dim(x, 0, 0, axis=dim) if out_len == 0 else \
+                jnp.zeros(x.shape[:dim] + (out_len,) + x.shape[dim + 1:], x.dtype)
+        idx = jnp.asarray(start).astype(jnp.int32) + lax.iota(jnp.int32, out_len) * step
+        return jnp.take(x, jnp.clip(idx, 0, x.shape[dim] - 1), axis=dim)
     if isinstance(start, int) and start == 0:
         return jax.lax.slice_in_dim(x, 0, out_len, axis=dim)
     return dyn.slice_from(x, dim, start, out_len)
@@ -1174,6 +1181,60 @@ def _constant_pad(call):
         shape[d] = n_out
         x = jnp.where(valid.reshape(shape), taken, jnp.asarray(value, x.dtype))
     return x
+
+
+def _scatter_along(call, dim, start, length, piece, step=1):
+    """``self`` with ``piece`` (laid along ``dim`` from 0) written at true positions
+    start, start + step, ... (``length`` of them) of ``dim``; the rest of ``self`` kept."""
+    x = call.arrays[0]
+    n = piece.shape[dim]
+    if n == 0:
+        return x
+    start = jnp.asarray(start).astype(jnp.int32)
+    rel = lax.iota(jnp.int32, x.shape[dim]) - start
+    k = rel // step
+    inside = (rel >= 0) & (rel % step == 0) & (k < jnp.asarray(length).astype(jnp.int32))
+    shape = [1] * x.ndim
+    shape[dim] = x.shape[dim]
+    src = jnp.take(piece, jnp.clip(k, 0, n - 1), axis=dim)
+    return jnp.where(inside.reshape(shape), src.astype(x.dtype), x)
+
+
+def _true_int(call, v):
+    return call.t.true(expr_of(v.meta["val"])) if isinstance(v, torch.fx.Node) else v
+
+
+@rule("slice_scatter.default")
+def _slice_scatter(call):
+    # The backward of slicing a dynamic dim: src goes at the true offset (a negative start counts
+    # from the true end), the rest of self is kept.
+    x = call.arrays[0]
+    dim = call.values[2] % x.ndim if call.values[2] is not None else 0
+    lens = call.lens(0)
+    if lens[dim] is None:
+        return call.apply()
+    step = _true_int(call, call.values[5]) if len(call.values) > 5 and call.values[5] is not None else 1
+    if not isinstance(step, int) or step < 1:
+        raise NoRule("slice_scatter.default", "a dynamic step along a dynamic dim")
+    start = _true_int(call, call.values[3])
+    start = 0 if start is None else start
+    if isinstance(start, int) and start < 0:
+        start = jnp.maximum(start + lens[dim], 0)
+    src_len = call.lens(1)[dim]
+    src_len = call.arrays[1].shape[dim] if src_len is None else src_len
+    return _scatter_along(call, dim, start, src_len, call.arrays[1], step)
+
+
+@rule("select_scatter.default")
+def _select_scatter(call):
+    x = call.arrays[0]
+    dim = call.values[2] % x.ndim
+    lens = call.lens(0)
+    if lens[dim] is None:
+        return call.apply()
+    index = _true_int(call, call.values[3])
+    index = jnp.where(index < 0, index + lens[dim], index) if not isinstance(index, int) or index < 0 else index
+    return _scatter_along(call, dim, index, 1, jnp.expand_dims(call.arrays[1], dim))
 
 
 @rule("flip.default")
