@@ -133,7 +133,7 @@ def test_bucketed_sweep_runs_samples_padded_and_matches_cpu(tmp_path, monkeypatc
     before = torchneuron.config.shapes
     assert coverage.main(["--shapes", "bucketed", "--ops", *_BUCKETED_ENTRIES, "--dtypes", "float32",
                           "--limit", "6", "--results", str(results), "--output", str(report),
-                          "--no-jax-cache", "--quiet"]) == 0
+                          "--no-jax-cache", "--quiet", "--in-process"]) == 0
     assert torchneuron.config.shapes == before            # the sweep's mode does not leak
     rows = [r for r in coverage.load_results(results) if r["status"] != "cpu_error"]
     failing = [f"{r['op']} {r['check']} #{r['index']} {r['desc']}: {r['detail']}" for r in rows

@@ -534,6 +534,8 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=None, help="samples per entry/dtype/check (default: all)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)   # a --jobs worker: its tasks file
+    p.add_argument("--in-process", action="store_true",
+                   help="run a --jobs 1 sweep in this process (a bucketed sweep otherwise uses a worker process)")
     p.add_argument("--shapes", choices=["static", "bucketed"], default="static",
                    help="bucketed: compile each sample with config.shapes='bucketed' at padded sizes, and write "
                         "the report's 'Bucketed shapes' section")
@@ -556,7 +558,10 @@ def main(argv=None) -> int:
         sweep(args, _worker_tasks(args.worker))
         return 0
     if not args.render_only:
-        if args.jobs > 1:
+        # A bucketed sweep always runs in worker processes, even with --jobs 1: a compiled sample
+        # that kills its process (seen: "terminate called without an active exception") is then
+        # recorded as failing and the sweep goes on.
+        if args.jobs > 1 or (args.shapes == "bucketed" and not args.in_process):
             sweep_parallel(args)
         else:
             sweep(args)
