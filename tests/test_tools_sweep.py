@@ -121,19 +121,21 @@ _BUCKETED_ENTRIES = ["add", "softmax", "sum", "matmul", "cumsum", "nn.functional
 
 def test_bucketed_sweep_runs_samples_padded_and_matches_cpu(tmp_path, monkeypatch):
     """A few entries' leading samples compiled with config.shapes="bucketed" (every dim of size >= 2
-    marked dynamic, so OpInfo's sizes run padded to their bucket), forward and gradient: none fails,
+    marked dynamic, so OpInfo's sizes run padded to their bucket; the pads poisoned with NaN),
+    forward and gradient: none fails,
     each entry runs some sample padded, and the report's "Bucketed shapes" section counts them
     without touching the rest of the report."""
     import torchneuron
     from tools import coverage
 
     monkeypatch.setenv("TORCHNEURON_CACHE_DIR", "")
+    monkeypatch.setenv("TORCHNEURON_OPINFO_POISON", "")   # --poison-pads sets it; restored after
     results, report = tmp_path / "bucketed.jsonl", tmp_path / "coverage.md"
     report.write_text("# the eager sweep's report\n\nkept as it is\n")
     before = torchneuron.config.shapes
     assert coverage.main(["--shapes", "bucketed", "--ops", *_BUCKETED_ENTRIES, "--dtypes", "float32",
                           "--limit", "6", "--results", str(results), "--output", str(report),
-                          "--no-jax-cache", "--quiet", "--in-process"]) == 0
+                          "--no-jax-cache", "--quiet", "--in-process", "--poison-pads"]) == 0
     assert torchneuron.config.shapes == before            # the sweep's mode does not leak
     rows = [r for r in coverage.load_results(results) if r["status"] != "cpu_error"]
     failing = [f"{r['op']} {r['check']} #{r['index']} {r['desc']}: {r['detail']}" for r in rows

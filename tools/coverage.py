@@ -453,7 +453,9 @@ def render_bucketed(rows: list[dict]) -> str:
       "**graph-break**: matched, but Dynamo broke the graph; **dynamo**: Dynamo/AOTAutograd refused the "
       "program (nothing ran bucketed); **unpadded**: matched, but nothing had a dim to pad (scalars, size-1 "
       "dims) or Dynamo specialised every marked dim; **expected**: failed, and `tests/opinfo/expectations.py` "
-      "names the failure; **fail**: a wrong result or an error raised by neuron.\n")
+      "names the failure; **fail**: a wrong result or an error raised by neuron. A padded box is read with "
+      "zeros in its pad, so an unmasked sum or matmul over a pad still matches; `--poison-pads` (in the commands "
+      "below where used) makes every input's pad NaN inside the compiled function to catch those.\n")
     runs = Counter(commands.get(k, "not recorded") for k in groups)
     w("Produced by these sweeps (entry/dtype/check groups each):\n")
     for cmd, n in sorted(runs.items(), key=lambda kv: -kv[1]):
@@ -539,6 +541,9 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", choices=["static", "bucketed"], default="static",
                    help="bucketed: compile each sample with config.shapes='bucketed' at padded sizes, and write "
                         "the report's 'Bucketed shapes' section")
+    p.add_argument("--poison-pads", action="store_true",
+                   help="with --shapes bucketed: NaN in every input's pad (TORCHNEURON_OPINFO_POISON=1), so a "
+                        "rule that does not mask shows even where a zero pad is harmless")
     p.add_argument("--results", default=None,
                    help=f"default: {DEFAULT_RESULTS} ({DEFAULT_BUCKETED_RESULTS} with --shapes bucketed)")
     p.add_argument("--output", default=str(DEFAULT_OUTPUT))
@@ -549,6 +554,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-jax-cache", action="store_true", help="do not use JAX's persistent compilation cache")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    if args.poison_pads:
+        os.environ["TORCHNEURON_OPINFO_POISON"] = "1"   # workers inherit it
     if args.results is None:
         args.results = str(DEFAULT_BUCKETED_RESULTS if args.shapes == "bucketed" else DEFAULT_RESULTS)
     args.command = os.environ.get(_COMMAND_ENV) or (

@@ -265,7 +265,8 @@ def _context(watch) -> str:
 # first goes through ``where(position < its size, x, nan)`` per dim: the identity on the true
 # elements, while in the padded program the pad of every input holds NaN instead of the zeros a
 # padded box is read with (a rule that forgets to mask then shows, even where zero is harmless).
-POISON = bool(os.environ.get("TORCHNEURON_OPINFO_POISON"))
+def poison() -> bool:
+    return bool(os.environ.get("TORCHNEURON_OPINFO_POISON"))
 
 
 def _poison(t):
@@ -283,7 +284,7 @@ def _poison(t):
 
 
 def _poisoned(inp, args, kwargs):
-    if not POISON:
+    if not poison():
         return inp, args, kwargs
     return tree_map(_poison, inp), tree_map(_poison, args), tree_map(_poison, kwargs)
 
