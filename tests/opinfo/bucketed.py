@@ -29,6 +29,7 @@ The results are compared with CPU eager on the same sample, with the tolerances 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import traceback
@@ -186,7 +187,7 @@ def _status(watch, fallbacks, marked) -> tuple[str, str]:
     return "native", detail
 
 
-def _run_compiled(sample, name, fn, marked_inputs):
+def _run_compiled(sample, name, fn, marked_inputs, op=None):
     """(outputs, again-outputs or None, watch, fallback ops, marked dims) of the compiled call, or
     raises. A marked dim the program specialises (Dynamo's constraint violation) is retried with
     ``maybe_mark_dynamic``, so the other dims stay dynamic."""
@@ -194,6 +195,8 @@ def _run_compiled(sample, name, fn, marked_inputs):
     for strict in (True, False):
         marked = mark_dynamic((inp, args, kwargs), strict)
         compiled = _compiled(fn)
+        if op is not None:
+            compiled = _Wrapped(op, compiled)
         with h._FallbackWatch() as fb, _Watch() as watch, h._default_device(sample):
             try:
                 out = _call(compiled, inp, args, kwargs, sample)
@@ -300,12 +303,27 @@ def _forward_fn(op):
 
 def _grad_fn(op):
     variant = op.get_op()
-    wrapper = op.gradcheck_wrapper
 
     def sample_call(inp, args, kwargs):
         inp, args, kwargs = _poisoned(inp, args, kwargs)
-        return wrapper(variant, inp, *args, **kwargs)
+        return variant(inp, *args, **kwargs)
     return sample_call
+
+
+class _Wrapped:
+    """The compiled variant called through the entry's ``gradcheck_wrapper`` (run eagerly: Dynamo
+    cannot trace some wrappers, e.g. the masked reductions' with a function argument)."""
+
+    def __init__(self, op, compiled):
+        self.wrapper, self.compiled = op.gradcheck_wrapper, compiled
+
+        @functools.wraps(op.get_op())   # wrappers look at the op's name (masked reductions)
+        def variant(x, *a, **k):
+            return self.compiled(x, list(a), k)
+        self.variant = variant
+
+    def __call__(self, inp, args, kwargs):
+        return self.wrapper(self.variant, inp, *args, **kwargs)
 
 
 def _error_parity(op, sample, name, cpu_err) -> tuple[str, str, tuple]:
@@ -345,7 +363,7 @@ def run_grad(op, sample, dtype) -> tuple[str, str, tuple]:
         random = h.is_random(name, sample)
         try:
             # The forward and, through AOTAutograd, the backward graph are both compiled bucketed.
-            out_d, again_d, watch, fallbacks, marked = _run_compiled(sample, name, fn, moved)
+            out_d, again_d, watch, fallbacks, marked = _run_compiled(sample, name, fn, moved, op)
             with _Watch() as bwatch, h._FallbackWatch() as bfb:
                 outs_d = h._differentiable(out_d)
                 if len(outs_d) != len(outs):
