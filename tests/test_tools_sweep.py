@@ -113,3 +113,39 @@ def test_workers_find_the_tools_from_any_directory(tmp_path, monkeypatch):
     sweep.supervise(iter([[*sweep.tool_command("sweep")], None]).__next__,
                     lambda code, timed_out: exits.append(code) or True)
     assert exits == [0]
+
+
+# -- the OpInfo sweep at padded sizes (python -m tools.coverage --shapes bucketed) -----------------
+_BUCKETED_ENTRIES = ["add", "softmax", "sum", "matmul", "cumsum", "nn.functional.layer_norm"]
+
+
+def test_bucketed_sweep_runs_samples_padded_and_matches_cpu(tmp_path, monkeypatch):
+    """A few entries' leading samples compiled with config.shapes="bucketed" (every dim of size >= 2
+    marked dynamic, so OpInfo's sizes run padded to their bucket; the pads poisoned with NaN),
+    forward and gradient: none fails,
+    each entry runs some sample padded, and the report's "Bucketed shapes" section counts them
+    without touching the rest of the report."""
+    import torchneuron
+    from tools import coverage
+
+    monkeypatch.setenv("TORCHNEURON_CACHE_DIR", "")
+    monkeypatch.setenv("TORCHNEURON_OPINFO_POISON", "")   # --poison-pads sets it; restored after
+    results, report = tmp_path / "bucketed.jsonl", tmp_path / "coverage.md"
+    report.write_text("# the eager sweep's report\n\nkept as it is\n")
+    before = torchneuron.config.shapes
+    assert coverage.main(["--shapes", "bucketed", "--ops", *_BUCKETED_ENTRIES, "--dtypes", "float32",
+                          "--limit", "5", "--results", str(results), "--output", str(report),
+                          "--no-jax-cache", "--quiet", "--in-process", "--poison-pads"]) == 0
+    assert torchneuron.config.shapes == before            # the sweep's mode does not leak
+    rows = [r for r in coverage.load_results(results) if r["status"] != "cpu_error"]
+    failing = [f"{r['op']} {r['check']} #{r['index']} {r['desc']}: {r['detail']}" for r in rows
+               if r["status"] in ("fail", "expected", "dynamo")]
+    assert not failing, "\n".join(failing)
+    for entry in _BUCKETED_ENTRIES:
+        for check in ("forward", "grad"):
+            statuses = {r["status"] for r in rows if r["op"] == entry and r["check"] == check}
+            assert "native" in statuses, (entry, check, statuses)   # some sample ran padded
+    text = report.read_text()
+    assert text.startswith("# the eager sweep's report\n\nkept as it is\n\n## Bucketed shapes\n")
+    total = sum(1 for _ in rows)
+    assert f"| **all** | | {total} |" in text and "### Failing samples (0)" in text

@@ -643,8 +643,10 @@ def _compare_grads(actual, expected, tol):
     return None
 
 
-def run(op, dtype, check, limit=None, start=0) -> Iterator[SampleResult]:
-    """Results of every sample of ``op`` for ``dtype`` and ``check`` ("forward" or "grad")."""
+def run(op, dtype, check, limit=None, start=0, shapes="static") -> Iterator[SampleResult]:
+    """Results of every sample of ``op`` for ``dtype`` and ``check`` ("forward" or "grad").
+    ``shapes="bucketed"``: each sample compiled with ``config.shapes="bucketed"`` at padded sizes
+    (``bucketed.py``, which has its own statuses)."""
     name = name_of(op)
     dname = str(dtype).replace("torch.", "")
     try:
@@ -655,6 +657,20 @@ def run(op, dtype, check, limit=None, start=0) -> Iterator[SampleResult]:
     sample_counts[(name, dname, check)] = len(samples)
     stop = len(samples) if limit is None else min(len(samples), start + limit)
     runner = run_forward if check == "forward" else run_grad
+    mode = contextlib.nullcontext()
+    if shapes == "bucketed":
+        from . import bucketed
+        runner = bucketed.run_forward if check == "forward" else bucketed.run_grad
+        mode = bucketed.bucketed_mode()
+    elif shapes != "static":
+        raise ValueError(f"shapes must be 'static' or 'bucketed', got {shapes!r}")
+    with mode:
+        yield from _run_samples(name, dname, check, dtype, samples, runner, start, stop)
+    torchneuron.metrics.extra["opinfo_samples"] += stop - start
+
+
+def _run_samples(name, dname, check, dtype, samples, runner, start, stop):
+    op = OPS[name]
     for i in range(start, stop):
         sample = samples[i]
         _last_decomposed.clear()
@@ -670,7 +686,6 @@ def run(op, dtype, check, limit=None, start=0) -> Iterator[SampleResult]:
             if reason is not None:
                 status, detail = "expected", f"{reason} [{detail}]"
         yield SampleResult(name, dname, check, i, status, desc, detail, fb, tuple(_last_decomposed))
-    torchneuron.metrics.extra["opinfo_samples"] += stop - start
 
 
 def dtypes_for(op, check) -> list[torch.dtype]:

@@ -846,6 +846,12 @@ def _rule_for(name, target, node):
     """The rule of one node, or raises NoRule; None runs the lowering as it is."""
     if not _has_symbolic(node):
         return None
+    for a in node.all_input_nodes:
+        for e in _size_exprs(a.meta.get("val")):
+            if not _grows(e):
+                # An input (a backward graph's tangent of a chunk's last piece: s - 4*((s + 4)//5))
+                # whose size at the buckets may be below its true size: its box would lose elements.
+                raise NoRule(name, f"an input of size {e}, which does not grow with its symbols")
     fn = RULES.get(name)
     if fn is not None:
         plan = getattr(fn, "plan", None)
@@ -942,7 +948,7 @@ def _sort(call):
     return call.apply()
 
 
-@rule("var.correction", "var_mean.correction", "std.correction")
+@rule("var.correction", "var_mean.correction", "std.correction", "std_mean.correction")
 def _var(call):
     x = call.arrays[0]
     dims = _dims_arg(call, "dim", x.ndim)
@@ -954,12 +960,12 @@ def _var(call):
     v = dyn.var(x.astype(jnp.float32) if not jnp.issubdtype(x.dtype, jnp.floating) else x,
                 call.lens(0), dims, correction, keepdim)
     name = call.sig.short_name
-    if name.startswith("std"):
-        return jnp.sqrt(v)
-    if name.startswith("var_mean"):
+    if name.startswith(("var_mean", "std_mean")):   # (var or std, mean)
         mean = dyn.rescale_mean(jnp.mean(dyn.masked(x, call.lens(0), 0, dims), axis=dims, keepdims=keepdim),
                                 x.shape, call.lens(0), dims)
-        return v, mean
+        return (jnp.sqrt(v) if name.startswith("std") else v), mean.astype(v.dtype)
+    if name.startswith("std"):
+        return jnp.sqrt(v)
     return v
 
 
@@ -981,6 +987,36 @@ rule("addmm.default")(_contraction("mat1", 1, "mat2", 0))
 rule("baddbmm.default")(_contraction("batch1", 2, "batch2", 1))
 rule("dot.default")(_contraction("self", 0, "tensor", 0))
 rule("mv.default")(_contraction("self", 1, "vec", 0))
+rule("addmv.default")(_contraction("mat", 1, "vec", 0))
+
+
+@rule("addbmm.default")
+def _addbmm(call):
+    # Sums over the batch dim and contracts k: both operands' pad zeroed along both.
+    call.mask("batch1", 0, (0, 2))
+    call.mask("batch2", 0, (0, 1))
+    return call.apply()
+
+
+@rule("linalg_vector_norm.default")
+def _vector_norm(call):
+    # The pad of the reduced dims becomes 0, which adds nothing to a norm of order >= 0 (inf: the
+    # largest |x|; 0: the count of nonzeros); for a negative order (-inf: the smallest |x|) it is
+    # inf, whose |x|^ord is 0.
+    x = call.arrays[0]
+    order = call.values[1]
+    order = 2 if order is None else order
+    if isinstance(order, torch.fx.Node):
+        raise NoRule("linalg_vector_norm.default", "a runtime order")
+    dims = _dims_arg(call, "dim", x.ndim)
+    call.mask("self", 0 if order >= 0 else jnp.inf, dims)
+    return call.apply()
+
+
+# Elementwise, though not tagged pointwise; the diagonal of a padded box starts with the true
+# diagonal (its true length is a Min of true sizes, its padded one the same Min of buckets).
+rule("log_sigmoid_forward.default", "log_sigmoid_backward.default", "diagonal.default",
+     "diagonal_copy.default")(lambda call: call.apply())
 
 
 @rule("_softmax.default", "_log_softmax.default")
@@ -1069,7 +1105,7 @@ def _gather(call):
     return call.apply()
 
 
-@rule("index.Tensor")
+@rule("index.Tensor", "_unsafe_index.Tensor")
 def _index(call):
     i = call.arg("indices")
     xlens = call.lens("self")
@@ -1136,8 +1172,8 @@ def _slice(call):
     if lens[dim] is None:
         return call.apply()
     step = call.values[4] if len(call.values) > 4 and call.values[4] is not None else 1
-    if step != 1:
-        raise NoRule("slice.Tensor", "a step other than 1 along a dynamic dim")
+    if not isinstance(step, int) or step < 1:
+        raise NoRule("slice.Tensor", "a dynamic step along a dynamic dim")
     start = call.values[2]
     start = 0 if start is None else start
     if isinstance(start, torch.fx.Node):
@@ -1145,6 +1181,13 @@ def _slice(call):
     if isinstance(start, int) and start < 0:
         start = jnp.maximum(start + lens[dim], 0)
     out_len = call.t.padded_int(_shape_exprs(call.node.meta["val"])[dim])
+    if step != 1:
+        # Element k of the result is x[start + k * step] (exact while k is below the true length).
+        if x.shape[dim] == 0 or out_len == 0:
+            return jax.lax.slice_in_dim(x, 0, 0, axis=dim) if out_len == 0 else \
+                jnp.zeros(x.shape[:dim] + (out_len,) + x.shape[dim + 1:], x.dtype)
+        idx = jnp.asarray(start).astype(jnp.int32) + lax.iota(jnp.int32, out_len) * step
+        return jnp.take(x, jnp.clip(idx, 0, x.shape[dim] - 1), axis=dim)
     if isinstance(start, int) and start == 0:
         return jax.lax.slice_in_dim(x, 0, out_len, axis=dim)
     return dyn.slice_from(x, dim, start, out_len)
@@ -1159,6 +1202,104 @@ def _select(call):
     if isinstance(index, torch.fx.Node):
         index = call.t.true(expr_of(index.meta["val"]))
     return dyn.select(x, dim, index, lens[dim])
+
+
+@rule("constant_pad_nd.default")
+def _constant_pad(call):
+    # Per padded dim (pad lists the last dim first, (before, after) each; negative pads crop):
+    # out[i] = x[i - before] where 0 <= i - before < the true size, else the value.
+    x = call.arrays[0]
+    lens = call.lens(0)
+    pad = [int(p) for p in call.values[1]]
+    value = call.values[2] if len(call.values) > 2 and call.values[2] is not None else 0
+    if isinstance(value, torch.fx.Node):
+        value = call.arrays[2]
+    out_exprs = _shape_exprs(call.node.meta["val"])
+    for k in range(len(pad) // 2):
+        d = x.ndim - 1 - k
+        before, after = pad[2 * k], pad[2 * k + 1]
+        if before == 0 and after == 0:
+            continue
+        n_out = call.t.padded_int(out_exprs[d])
+        true = x.shape[d] if lens[d] is None else jnp.asarray(lens[d]).astype(jnp.int32)
+        src = lax.iota(jnp.int32, n_out) - before
+        valid = (src >= 0) & (src < true)
+        taken = jnp.take(x, jnp.clip(src, 0, x.shape[d] - 1), axis=d) if x.shape[d] else \
+            jnp.zeros(x.shape[:d] + (n_out,) + x.shape[d + 1:], x.dtype)
+        shape = [1] * x.ndim
+        shape[d] = n_out
+        x = jnp.where(valid.reshape(shape), taken, jnp.asarray(value, x.dtype))
+    return x
+
+
+def _scatter_along(call, dim, start, length, piece, step=1):
+    """``self`` with ``piece`` (laid along ``dim`` from 0) written at true positions
+    start, start + step, ... (``length`` of them) of ``dim``; the rest of ``self`` kept."""
+    x = call.arrays[0]
+    n = piece.shape[dim]
+    if n == 0:
+        return x
+    start = jnp.asarray(start).astype(jnp.int32)
+    rel = lax.iota(jnp.int32, x.shape[dim]) - start
+    k = rel // step
+    inside = (rel >= 0) & (rel % step == 0) & (k < jnp.asarray(length).astype(jnp.int32))
+    shape = [1] * x.ndim
+    shape[dim] = x.shape[dim]
+    src = jnp.take(piece, jnp.clip(k, 0, n - 1), axis=dim)
+    return jnp.where(inside.reshape(shape), src.astype(x.dtype), x)
+
+
+def _true_int(call, v):
+    return call.t.true(expr_of(v.meta["val"])) if isinstance(v, torch.fx.Node) else v
+
+
+@rule("slice_scatter.default")
+def _slice_scatter(call):
+    # The backward of slicing a dynamic dim: src goes at the true offset (a negative start counts
+    # from the true end), the rest of self is kept.
+    x = call.arrays[0]
+    dim = call.values[2] % x.ndim if call.values[2] is not None else 0
+    lens = call.lens(0)
+    if lens[dim] is None:
+        return call.apply()
+    step = _true_int(call, call.values[5]) if len(call.values) > 5 and call.values[5] is not None else 1
+    if not isinstance(step, int) or step < 1:
+        raise NoRule("slice_scatter.default", "a dynamic step along a dynamic dim")
+    start = _true_int(call, call.values[3])
+    start = 0 if start is None else start
+    if isinstance(start, int) and start < 0:
+        start = jnp.maximum(start + lens[dim], 0)
+    src_len = call.lens(1)[dim]
+    src_len = call.arrays[1].shape[dim] if src_len is None else src_len
+    return _scatter_along(call, dim, start, src_len, call.arrays[1], step)
+
+
+@rule("select_scatter.default")
+def _select_scatter(call):
+    x = call.arrays[0]
+    dim = call.values[2] % x.ndim
+    lens = call.lens(0)
+    if lens[dim] is None:
+        return call.apply()
+    index = _true_int(call, call.values[3])
+    index = jnp.where(index < 0, index + lens[dim], index) if not isinstance(index, int) or index < 0 else index
+    return _scatter_along(call, dim, index, 1, jnp.expand_dims(call.arrays[1], dim))
+
+
+@rule("flip.default")
+def _flip(call):
+    # Along a dynamic dim the true elements reversed are x[len - 1 - i]: a gather of the padded
+    # array at (len - 1 - i) mod padded (the pad positions read pad elements, don't-care).
+    x = call.arrays[0]
+    lens = call.lens(0)
+    for d in sorted({d % max(x.ndim, 1) for d in call.values[1]}):
+        if lens[d] is None:
+            x = jnp.flip(x, d)
+            continue
+        n = x.shape[d]
+        idx = (jnp.asarray(lens[d]).astype(jnp.int32) - 1 - lax.iota(jnp.int32, n)) % n
+        x = jnp.take(x, idx, axis=d)
+    return x
 
 
 @rule("view.default", "_unsafe_view.default", "reshape.default")
