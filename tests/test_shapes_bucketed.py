@@ -479,3 +479,20 @@ def test_box_reads_and_writes_of_views_with_row_major_tails(bucketed):
     graphs, fallbacks = _counts()
     assert fallbacks == 0
     assert graphs == 2                  # mark_dynamic: buckets 16 and 32 from the start
+
+
+def test_float64_results_follow_the_float64_policy(bucketed):
+    # TORCHNEURON_FLOAT64=downcast (the default): a float64 result is float32 on the device, as in
+    # static graphs, so autograd sees the dtype it expects.
+    def f(x):
+        return (x.double() * 2).softmax(-1)
+
+    g = torch.compile(f, backend="neuron", dynamic=True)
+    for t in (5, 9, 13):
+        x = torch.randn(3, t, requires_grad=True)
+        xn = x.detach().to("neuron").requires_grad_()
+        out = g(xn)
+        assert out.dtype == torch.float32
+        out.sum().backward()
+        torch.testing.assert_close(out.detach().cpu(), f(x).float(), rtol=1e-5, atol=1e-6)
+        assert xn.grad.dtype == torch.float32

@@ -516,7 +516,8 @@ class BucketedProgram:
             if kind == "array":
                 node, j = what
                 sizes, strides = layouts[j]
-                final.append(memory.new_boxed_tensor(results[j], node.meta["val"].dtype, dev, sizes, strides))
+                dtype = device_dtype(node.meta["val"].dtype, self.name)   # the float64 policy, as static graphs
+                final.append(memory.new_boxed_tensor(results[j], dtype, dev, sizes, strides))
             elif kind == "input":
                 final.append(args[what])
             elif kind == "view":
@@ -688,7 +689,7 @@ class _Trace:
     def result(env, out):
         """The value of output node ``out`` in its fake tensor's dtype."""
         value = env[out]
-        want = jax_dtype(out.meta["val"].dtype)
+        want = jax_dtype(device_dtype(out.meta["val"].dtype, "a bucketed graph's output"))
         return value.astype(want) if value.dtype != want else value
 
     # -- sizes -------------------------------------------------------------------------------------
