@@ -147,8 +147,26 @@ def _python_handles_sigint():
     signal.signal(signal.SIGINT, previous)
 
 
+class _Interrupter(threading.Thread):
+    """Ctrl-C after ``seconds``, and again every ``seconds`` until joined: an interrupt that lands
+    inside a Python callback called from JAX's C++ code is dropped there (Python's matter, not the
+    backend's state), and the next one must still end the loop and leave the process usable."""
+
+    def __init__(self, seconds):
+        super().__init__(daemon=True)
+        self.seconds, self.done = seconds, threading.Event()
+
+    def run(self):
+        while not self.done.wait(self.seconds):
+            _thread.interrupt_main()
+
+    def join(self, timeout=None):
+        self.done.set()
+        super().join(timeout)
+
+
 def _interrupt_after(seconds):
-    timer = threading.Timer(seconds, _thread.interrupt_main)
+    timer = _Interrupter(seconds)
     timer.start()
     return timer
 
