@@ -1,5 +1,5 @@
 """A stream of requests with a long tail of lengths, per mode, side by side: CPU eager, CPU Inductor
-(``dynamic=True``), neuron eager and ``torch.compile(backend="neuron")``, each with
+(``dynamic=True``), neuron eager (plain and adaptive) and ``torch.compile(backend="neuron")``, each with
 ``config.shapes`` "static" and "bucketed".
 
 A GPT-style model (embedding, causal attention, LayerNorm, GELU MLP, tied head) serves a stream of
@@ -25,7 +25,8 @@ import time
 
 import numpy as np
 
-MODES = ("cpu-eager", "cpu-inductor", "eager-static", "eager-bucketed", "compiled-static", "compiled-bucketed")
+MODES = ("cpu-eager", "cpu-inductor", "eager-static", "eager-bucketed", "adaptive-static", "adaptive-bucketed",
+         "compiled-static", "compiled-bucketed")
 
 
 def lengths(n, max_len, seed=0):
@@ -54,6 +55,8 @@ def run_mode(args):
         import torchneuron
         torchneuron.config.shapes = mode.split("-")[1]
         torchneuron.config.shape_buckets = args.buckets
+        if mode.startswith("adaptive"):
+            torchneuron.config.eager_mode = "adaptive"
     torch.manual_seed(0)
     device = "neuron" if on_neuron else "cpu"
     model = TinyGPT(vocab=256, d=args.d_model, heads=4, layers=2).to(device)
@@ -153,7 +156,7 @@ def main():
               f"{'-' if ex is None else format(r['compile_s'], '.2f'):>11}{r['wall_s']:>9.2f}"
               f"{_ms(r['p50_ms']):>12}{_ms(r['p99_ms']):>12}")
     by = {r["mode"]: r for r in rows}
-    for kind in ("eager", "compiled"):
+    for kind in ("eager", "adaptive", "compiled"):
         s, b = by.get(f"{kind}-static"), by.get(f"{kind}-bucketed")
         if s and b:
             print(f"{kind} bucketed / static: executables {b['executables'] / max(s['executables'], 1):.2f}, "

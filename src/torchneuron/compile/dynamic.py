@@ -319,6 +319,17 @@ class BucketedProgram:
             elif isinstance(v, torch.SymFloat | torch.SymBool):
                 raise NoRule("input", "a SymFloat/SymBool input")
         self.order = {e: k for k, e in enumerate(self.symbols)}
+        # Per placeholder, for the call: None (not a tensor), "cpu" (a CPU tensor of static shape, a
+        # scale constant: uploaded by the call, counted) or "neuron"; and its size expressions if a
+        # size is dynamic (read as a padded box), else None.
+        self.input_kinds, self.input_exprs = [], []
+        for ph in self.placeholders:
+            v = ph.meta.get("val")
+            tensor = isinstance(v, torch.Tensor)
+            exprs = _shape_exprs(v) if tensor else ()
+            self.input_kinds.append(None if not tensor else "cpu" if v.device.type == "cpu" else "neuron")
+            self.input_exprs.append(None if all(_is_static(e) for e in exprs) else exprs)
+        self._sizes_memo = {}
         self.positional = set()
         self.steps = []
         for node in self.gm.graph.nodes:
@@ -399,66 +410,84 @@ class BucketedProgram:
         for i, d, e in self.binders:
             a = args[i]
             values[e] = int(a) if d is None else int(a.shape[d])
-        buckets = {}
+        sizes_seen = metrics.dynamic_sizes
         for e in self.symbols:
             # exact_first: a symbol keeps its exact size until it is seen with a second one (with
             # dynamic=True a batch that is always 2 must not run padded to a bucket).
             v = values[e]
             if e not in self.varied and self.first_values.setdefault(e, v) != v:
                 self.varied.add(e)
-            buckets[e] = bucket_for(v, self.buckets, self.where[e]) if e in self.varied else v
-            metrics.dynamic_sizes[self.dim_names[e]][v] += 1   # for the bucket advisor
-        ins, specs = self._inputs(args, buckets)
+            sizes_seen[self.dim_names[e]][v] += 1   # for the bucket advisor
+        at = self._at_sizes(values)
+        ins, specs = self._inputs(args, at.boxes)
         device_index = ins.device_index
         # What decides the program: the buckets, every input's spec and the sizes of the storages
         # it reads (runtime/inputs.py); true sizes, strides and view offsets are runtime inputs.
         # A size not yet varied is compiled in as a constant (no mask, no gather on it): marked in
         # the key, so a bucket of the same size does not take its executable.
-        exact = frozenset(e for e in self.symbols if e not in self.varied)
-        key = (tuple((buckets[e], e in exact) for e in self.symbols), tuple(specs), tuple(ins.storages))
-        sym_inputs = [np.asarray(values[e], np.int64) for e in self.symbols]
+        key = (at.bucket_key, tuple(specs), tuple(ins.storages))
+        sym_inputs = list(at.sizes)
         if self.random:
             gen = rng.generator(device_index if device_index is not None else current_device())
-            sym_inputs.extend(gen.next_key_inputs())
-        layouts = self._output_layouts(values)
-        sym_inputs.extend(np.asarray((*sizes, *strides), np.int64) for sizes, strides in layouts)
+            sym_inputs[len(self.symbols):len(self.symbols)] = gen.next_key_inputs()
         exe = self.executables.get(key)
         if exe is None:
             with self._lock:
                 exe = self.executables.get(key)
                 if exe is None:
                     try:
-                        exe = self._compile(key, buckets, specs, ins, sym_inputs, exact)
+                        exe = self._compile(key, at.buckets, specs, ins, sym_inputs, at.exact)
                     except NoRule as err:
                         self._fall_back(err)
                         return self.static(args)
                     self.executables[key] = exe
         results = exe["call"](*ins.bufs, *ins.runtime, *sym_inputs)
-        return self._finish(exe, results, args, values, layouts, device_index)
+        return self._finish(exe, results, args, values, at.layouts, device_index)
 
-    def _inputs(self, args, buckets):
+    def _at_sizes(self, values):
+        """What a call at these true sizes needs besides its inputs, computed once per distinct set of
+        sizes (sympy evaluation costs more than the executable of a small graph): the buckets, the
+        key's part for them, each dynamic input's box size, the output layouts and the runtime
+        vectors of the true sizes and layouts."""
+        exact = frozenset(e for e in self.symbols if e not in self.varied)
+        memo_key = (tuple(values[e] for e in self.symbols), exact)
+        at = self._sizes_memo.get(memo_key)
+        if at is not None:
+            return at
+        buckets = {e: values[e] if e in exact else bucket_for(values[e], self.buckets, self.where[e])
+                   for e in self.symbols}
+        layouts = self._output_layouts(values)
+        at = _AtSizes(
+            buckets=buckets, exact=exact,
+            bucket_key=tuple((buckets[e], e in exact) for e in self.symbols),
+            boxes=[None if exprs is None else int(np.prod([_padded(e, buckets) for e in exprs]))
+                   for exprs in self.input_exprs],
+            layouts=layouts,
+            sizes=tuple([np.asarray(values[e], np.int64) for e in self.symbols] +
+                        [np.asarray((*sizes, *strides), np.int64) for sizes, strides in layouts]))
+        if len(self._sizes_memo) >= 512:
+            self._sizes_memo.clear()
+        self._sizes_memo[memo_key] = at
+        return at
+
+    def _inputs(self, args, boxes):
         """The inputs collected as every graph collects them (``runtime/inputs.py``) and a spec per
-        placeholder: inputs with dynamic sizes are read from their storages as padded boxes, with
-        their strides and offset as one runtime vector."""
+        placeholder: inputs with dynamic sizes are read from their storages as padded boxes (of
+        ``boxes[i]`` elements), with their strides and offset as one runtime vector."""
         ins = Inputs()
         specs = []
-        for ph, a in zip(self.placeholders, args):
-            v = ph.meta.get("val")
-            if not isinstance(v, torch.Tensor):
+        graph_arg = ins.graph_arg
+        for kind, a, box in zip(self.input_kinds, args, boxes):
+            if kind is None:
                 specs.append(None)
-                continue
-            if a.device.type == "cpu" and v.device.type == "cpu":
-                # A CPU tensor of static shape (a scale constant): uploaded by the call, counted.
-                specs.append(("graph", ins.graph_arg(a)))
-                continue
-            if a.device.type != "neuron":
-                raise RuntimeError(f"torchneuron: a bucketed graph got an input on {a.device}; move it to "
-                                   "the neuron device first")
-            if all(_is_static(e) for e in _shape_exprs(v)):
-                specs.append(("graph", ins.graph_arg(a)))
-                continue
-            box = int(np.prod([_padded(e, buckets) for e in _shape_exprs(v)]))
-            specs.append(("box", box_input(ins, a, box), a.dtype, contiguous_tail(a.shape, a.stride())))
+            elif box is None:
+                if kind == "neuron" and a.device.type != "neuron":
+                    _refuse_device(a)
+                specs.append(("graph", graph_arg(a)))
+            else:
+                if a.device.type != "neuron":
+                    _refuse_device(a)
+                specs.append(("box", box_input(ins, a, box), a.dtype, contiguous_tail(a.shape, a.stride())))
         return ins, specs
 
     def _output_layouts(self, values):
@@ -558,6 +587,21 @@ class BucketedProgram:
             else:
                 kinds.append(("sym", expr_of(val)) if isinstance(val, torch.SymInt | int) else ("const", val))
         self.output_kinds = kinds
+
+
+class _AtSizes:
+    """What ``BucketedProgram._at_sizes`` computes for one set of true sizes."""
+
+    __slots__ = ("buckets", "exact", "bucket_key", "boxes", "layouts", "sizes")
+
+    def __init__(self, **fields):
+        for k, v in fields.items():
+            setattr(self, k, v)
+
+
+def _refuse_device(a):
+    raise RuntimeError(f"torchneuron: a bucketed graph got an input on {a.device}; move it to "
+                       "the neuron device first")
 
 
 def give_capacity(rec, box: int) -> None:

@@ -147,6 +147,8 @@ def upload(host: np.ndarray, device_index: int):
 def _upload(host: np.ndarray, device_index: int):
     metrics.h2d_copies += 1
     metrics.h2d_bytes += host.nbytes
+    if host.nbytes <= memory.SMALL_PUT_LIMIT:   # copied during the call: no private copy needed
+        return memory.jax_put(host, device_index)
     # The transfer may complete asynchronously: hand PJRT a private copy so that later writes to
     # the caller's CPU tensor cannot race with it.
     return memory.jax_put(np.array(host, copy=True), device_index)
