@@ -496,3 +496,19 @@ def test_float64_results_follow_the_float64_policy(bucketed):
         out.sum().backward()
         torch.testing.assert_close(out.detach().cpu(), f(x).float(), rtol=1e-5, atol=1e-6)
         assert xn.grad.dtype == torch.float32
+
+
+def test_adaptive_eager_with_bucketed_shapes_says_it_compiles_per_shape(bucketed, monkeypatch):
+    """Adaptive eager records exact executables: with config.shapes='bucketed' a new shape still
+    compiles its ops. That is counted and warned about, never silent; results stay CPU's."""
+    import torchneuron.eager.kernel as kernel
+    monkeypatch.setattr(kernel, "_warned_adaptive", [])
+    kernel.clear_cache()
+    torchneuron.metrics.reset()
+    with torchneuron.eager_mode("adaptive"), pytest.warns(UserWarning, match="does not apply to adaptive eager"):
+        for t in (5, 9, 13):
+            x = torch.randn(2, t)
+            got = (x.to("neuron") * 2 + 1).sum(1).cpu()
+            torch.testing.assert_close(got, (x * 2 + 1).sum(1))
+    extra = torchneuron.metrics()["extra"]
+    assert extra["bucketed_eager_fallback: adaptive eager (recorded regions compile per shape)"] >= 3

@@ -219,11 +219,30 @@ class Kernel(Planning, OpSignature):
                 if _cache.get(key) is exe:   # a length seen before, from a fresh storage
                     return exe
         else:
+            if bucketer is not None:   # adaptive eager records exact executables: say so, once
+                _adaptive_not_bucketed(self.short_name)
             exe = self._plan(values, specs, ctx)
         exe.key, exe.reason = key, compile_reason(key, self.keys)
         _cache[key] = exe
         self.keys.append(key)
         return exe
+
+
+def _adaptive_not_bucketed(op: str) -> None:
+    """config.shapes='bucketed' with adaptive eager: its regions are recorded from exact per-shape
+    executables, so every new shape compiles as in static mode; counted, and warned about once."""
+    metrics.extra["bucketed_eager_fallbacks"] += 1
+    metrics.extra["bucketed_eager_fallback: adaptive eager (recorded regions compile per shape)"] += 1
+    if not _warned_adaptive:
+        _warned_adaptive.append(op)
+        import warnings
+        warnings.warn("torchneuron: config.shapes='bucketed' does not apply to adaptive eager yet: the "
+                      "ops it records compile once per shape. For variable lengths use "
+                      "config.eager_mode='plain' or torch.compile(backend='neuron', dynamic=True).",
+                      stacklevel=4)
+
+
+_warned_adaptive: list = []
 
 
 # -- tracing (torch.profiler ranges, readiness-report call sites) ---------------------------------
