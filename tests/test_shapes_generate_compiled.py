@@ -44,6 +44,9 @@ def test_index_copy_with_dynamic_positions_drops_the_pad(bucketed):
     m = torchneuron.metrics()
     assert m["graphs_compiled"] == 2        # 3 exactly, then the bucket 16 for 5, 7 and 11
     assert not any("index_copy" in k for k in m["extra"])
+    # A true position out of range is still reported, as on CPU (the pad is not what is checked).
+    with pytest.raises(IndexError, match="index 40 is out of bounds for dimension 1 with size 32"):
+        f(cache.to("neuron"), torch.tensor([1, 2, 40, 3, 4, 5]).to("neuron"), torch.randn(2, 6, 4).to("neuron")).cpu()
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
