@@ -1150,6 +1150,26 @@ def _gather(call):
     return call.apply()
 
 
+@rule("index_copy.default")
+def _index_copy(call):
+    # A static cache's update (StaticCache: keys.index_copy_(2, positions, new_keys)) with a
+    # dynamic number of positions: the pad entries of the index are don't-care, so their source
+    # rows are dropped instead of written (a pad index could name a true row).
+    x = call.arrays[0]
+    dim = call.values[1] % x.ndim
+    n = call.lens("index")[0]
+    if n is None:
+        return call.apply()
+    if call.lens(0)[dim] is not None:   # (a cache's length compiled in is no padded dim)
+        raise NoRule("index_copy.default", "copying along a padded dim of self")
+    index = call.arrays[call.arg("index")].reshape(-1)
+    valid = lax.iota(jnp.int32, index.shape[0]) < n
+    checks.index_in_range(jnp.where(valid, index, 0), x.shape[dim],
+                          "index_copy_(): " + checks.out_of_bounds(dim, x.shape[dim]), negative=False)
+    where = (slice(None),) * dim + (jnp.where(valid, index, x.shape[dim]),)
+    return x.at[where].set(call.arrays[call.arg("source")].astype(x.dtype), mode="drop")
+
+
 @rule("index.Tensor", "_unsafe_index.Tensor")
 def _index(call):
     i = call.arg("indices")
