@@ -369,7 +369,9 @@ def test_second_process_starts_warm_from_the_disk_cache(tmp_path):
 
 
 # -- static shapes, recompiles, graph breaks ------------------------------------------------------
-def test_dynamic_true_warns_and_compiles_each_shape_statically():
+def test_dynamic_true_warns_and_compiles_each_shape_statically(monkeypatch):
+    monkeypatch.setattr(torchneuron.config, "shapes", "static")   # the default these tests pin
+
     def f(x):
         return x.softmax(-1) * x.shape[0]
 
@@ -383,9 +385,10 @@ def test_dynamic_true_warns_and_compiles_each_shape_statically():
     assert torchneuron.metrics()["recompiles"]["new input shapes (the neuron backend compiles static shapes)"] == 2
 
 
-def test_dynamic_true_with_unspecialized_floats_compiles_each_shape_statically():
+def test_dynamic_true_with_unspecialized_floats_compiles_each_shape_statically(monkeypatch):
     """Dynamo passes Python floats (nn.Embedding's norm_type, a scale) as 0-dim CPU tensors read with
     .item() under dynamic=True; the static retrace failed with DataDependentOutputException."""
+    monkeypatch.setattr(torchneuron.config, "shapes", "static")   # the default these tests pin
     torch.manual_seed(0)
     emb, head = torch.nn.Embedding(50, 8), torch.nn.Linear(8, 3)
 
