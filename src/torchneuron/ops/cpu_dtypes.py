@@ -176,7 +176,7 @@ def _refusal(name, functional, sig, values, table: bool):
 def _foreach_refusal(sig, values, table: bool):
     """A ``_foreach_*`` call: the refusal of its base op for the first element that has one."""
     # The plan maps the foreach arguments onto the base op's.
-    from ..compile.foreach import foreach_plan
+    from .foreach_plan import foreach_plan
     overload = sig.functional if sig.functional is not None else sig.overload
     plan = foreach_plan(overload)
     if plan is None:
@@ -217,7 +217,18 @@ def check(sig, values, describe) -> None:
         _raise(sig, values, describe, hit)
 
 
-def graph_check(sig, values, describe) -> None:
+def _metas(values) -> str:
+    """A graph node's arguments as an error names them: dtypes and sizes of its (meta) tensors."""
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+        if isinstance(v, list | tuple):
+            return "[" + ", ".join(one(x) for x in v) + "]"
+        return repr(v)
+    return "(" + ", ".join(one(v) for v in values) + ")"
+
+
+def graph_check(sig, values, describe=_metas) -> None:
     """The refusals that hold in torch.compile graphs (see the module docstring), on metas."""
     functional = None if sig.functional is None else registry_name(sig.functional)
     name = registry_name(sig.overload)
