@@ -205,12 +205,13 @@ def _raise(sig, values, describe, hit):
               "these dtypes too; convert the inputs to a dtype it supports")
 
 
-def check(sig, values, describe) -> None:
+def check(sig, values, describe, table: bool = True) -> None:
     """Raise CPU's error if its kernels refuse these dtypes for this overload (an in-place overload
-    the table never saw is judged by its functional form). ``describe(values)`` names the inputs."""
+    the table never saw is judged by its functional form). ``describe(values)`` names the inputs.
+    ``table=False`` (graphs): the rules only, and ``_foreach_*`` ops element by element."""
     functional = None if sig.functional is None else registry_name(sig.functional)
     name = registry_name(sig.overload)
-    hit = _refusal(name, functional, sig, values, table=True)
+    hit = _refusal(name, functional, sig, values, table)
     if hit is None and name.startswith("_foreach_"):
         hit = _foreach_refusal(sig, values, table=True)
     if hit is not None:
@@ -228,12 +229,6 @@ def _metas(values) -> str:
     return "(" + ", ".join(one(v) for v in values) + ")"
 
 
-def graph_check(sig, values, describe=_metas) -> None:
+def graph_check(sig, values) -> None:
     """The refusals that hold in torch.compile graphs (see the module docstring), on metas."""
-    functional = None if sig.functional is None else registry_name(sig.functional)
-    name = registry_name(sig.overload)
-    hit = _refusal(name, functional, sig, values, table=False)
-    if hit is None and name.startswith("_foreach_"):
-        hit = _foreach_refusal(sig, values, table=True)
-    if hit is not None:
-        _raise(sig, values, describe, hit)
+    check(sig, values, _metas, table=False)
