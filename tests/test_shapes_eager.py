@@ -230,3 +230,25 @@ def test_elementwise_ops_on_storages_in_their_order(bucketed):
             torch.testing.assert_close(g.cpu(), want)
     assert _compiles() == before
     assert _extra("bucketed_eager_fallbacks") == 0
+
+
+def test_multi_head_attention_with_varying_lengths_matches_cpu(bucketed):
+    """F.multi_head_attention_forward (unbatched, 2 heads of width 1, as the OpInfo sample the
+    bucketed sweep runs eagerly after a graph break) at query/key lengths that vary at one line: its
+    addmm/bmm/softmax run bucketed from the second length on, and the output and the averaged
+    weights equal CPU's."""
+    torch.manual_seed(0)
+    e, heads = 2, 2
+    weights = [torch.randn(3 * e, e), torch.randn(3 * e), torch.randn(e, e), torch.randn(e)]
+    dev = [w.to("neuron") for w in weights]
+
+    def run(q, k, v, w):
+        return F.multi_head_attention_forward(q, k, v, e, heads, w[0], w[1], None, None, False, 0.0, w[2], w[3],
+                                              training=False, need_weights=True)
+
+    for q_len, k_len in [(3, 3), (3, 5), (7, 5), (9, 13), (3, 20), (17, 19)]:
+        q, k, v = torch.randn(q_len, e), torch.randn(k_len, e), torch.randn(k_len, e)
+        got = run(q.to("neuron"), k.to("neuron"), v.to("neuron"), dev)
+        for g, want in zip(got, run(q, k, v, weights)):
+            torch.testing.assert_close(g.cpu(), want, rtol=1e-5, atol=1e-5)
+    assert _extra("bucketed_eager_compiles") > 0      # the later lengths ran bucketed

@@ -45,14 +45,6 @@ EXPECTATIONS: list[Expect] = [
              "meta kernel and CUDA declare; CPU returns them in bfloat16", dtypes=(torch.bfloat16,),
              checks=("forward",), match="dtype torch.float32 != torch.bfloat16")
       for op in ("native_layer_norm", "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update")],
-    # Known bug, found by the error-parity check: the dtype-refusal table has no _foreach_* entries
-    # (its sweep sees no list samples), so these run on bool where CPU's per-tensor kernels refuse.
-    # The fix: foreach ops inherit their base op's refusals element by element (ops/cpu_dtypes.py).
-    *[Expect(op, "known bug: neuron runs it on bool tensors where CPU's kernel refuses bool (the CPU "
-             "dtype-refusal table has no _foreach_ entries yet)", dtypes=(torch.bool,), checks=("forward",),
-             match=f'CPU rejects the sample (NotImplementedError: "{kernel}" not implemented for \'Bool\') '
-                   "but neuron ran it")
-      for op, kernel in (("_foreach_trunc", "trunc_vml_cpu"), ("_foreach_addcmul", "addcmul_cpu_out"))],
     Expect("_foreach_pow", "a bool tensor raised to a bool scalar: PyTorch's meta kernel for pow.Tensor_Scalar "
            "declares an int64 result, CPU's kernel returns bool. Neuron takes result dtypes from the meta kernel, "
            "so it returns int64 (values 0/1, equal to CPU's). Cast with .bool() where the dtype matters",

@@ -262,18 +262,18 @@ def _bool_mask_index_put(self, indices, values, accumulate, dtype):
     if len(masks) != 1 or masks[0][1].dtype != jnp.bool_:
         raise RuntimeError("boolean-mask index_put mixed with other indices needs data-dependent shapes")
     p, mask = masks[0]
-    rest = self.ndim - p - mask.ndim
-    full = mask.reshape((1,) * p + mask.shape + (1,) * rest)
-    values = values.astype(self.dtype)
-    if values.size != 1:
-        if p != 0:
-            raise RuntimeError("boolean-mask index_put after leading slices needs data-dependent shapes")
-        # The k-th True position takes values[k]: positions come from a running count of the mask.
-        pos = jnp.clip(jnp.cumsum(mask.reshape(-1)) - 1, 0, max(values.shape[0] - 1, 0))
-        picked = values[pos].reshape(mask.shape + values.shape[1:])
-        values = jnp.broadcast_to(picked, mask.shape + self.shape[mask.ndim:])
+    lead, trailing = self.shape[:p], self.shape[p + mask.ndim:]
+    full = mask.reshape((1,) * p + mask.shape + (1,) * len(trailing))
+    # ``self[mask]`` is [*lead, k, *trailing] (k True positions) and values broadcast to it from the
+    # right: a values dim at the k position takes its k-th entry at the k-th True position (a running
+    # count of the mask); values without one (a row, a scalar) repeat at every True position.
+    values = values.astype(self.dtype).reshape((1,) * (len(lead) + 1 + len(trailing) - values.ndim) + values.shape)
+    if values.shape[p] == 1:
+        values = values.reshape(values.shape[:p] + (1,) * mask.ndim + values.shape[p + 1:])
     else:
-        values = values.reshape(())
+        pos = jnp.clip(jnp.cumsum(mask.reshape(-1)) - 1, 0, values.shape[p] - 1)
+        values = jnp.take(values, pos, axis=p).reshape(values.shape[:p] + mask.shape + values.shape[p + 1:])
+    values = jnp.broadcast_to(values, self.shape)
     out = self + jnp.where(full, values, 0).astype(self.dtype) if accumulate else jnp.where(full, values, self)
     return out.astype(jax_dtype(dtype))
 

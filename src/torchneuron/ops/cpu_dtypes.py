@@ -8,8 +8,13 @@ data) records, per ATen overload, the argument dtypes CPU refused and its error,
 every dtype on CPU (``python -m tools.cpu_dtypes`` regenerates it for a new torch).
 
 An eager kernel checks this once per executable-cache entry, when it plans one (the key holds every
-dtype the check reads), so a cached call pays nothing. torch.compile graphs are not checked: they
-hold the ops of PyTorch's decompositions, with dtype combinations CPU's eager kernels never see.
+dtype the check reads), so a cached call pays nothing. torch.compile graphs are not checked against
+the table: they hold the ops of PyTorch's decompositions, with dtype combinations CPU's eager kernels
+never see. Two kinds of refusal hold in graphs too (``graph_check``): ATen's rules for every device
+(``RULES``: subtraction of a bool), and ``_foreach_*`` ops, which the user calls (decompositions do
+not emit them) and which refuse what their base op refuses for any element (``_foreach_trunc`` of a
+bool list is ``trunc`` of a bool tensor) -- the table, measured on single-tensor samples, has no
+entries of their own.
 """
 
 from __future__ import annotations
@@ -138,19 +143,92 @@ def refusals_of(name: str, functional: str | None = None) -> tuple[str, dict | N
     return name, refused
 
 
-def check(sig, values, describe) -> None:
-    """Raise CPU's error if its kernels refuse these dtypes for this overload (an in-place overload
-    the table never saw is judged by its functional form). ``describe(values)`` names the inputs."""
-    functional = None if sig.functional is None else registry_name(sig.functional)
-    _, refused = refusals_of(registry_name(sig.overload), functional)
-    if not refused or has_empty_tensor(sig, values):
-        return
-    hit = refused.get(dtype_signature(sig, values))
-    if hit is None:
-        hit = refused.get(dtype_signature(sig, values, wild=True))
-    if hit is None:
-        return
+def _sub_rule(values):
+    """ATen's ``sub_check`` (every device): a bool operand, tensor or Python bool, is refused."""
+    bools = [isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype is torch.bool) for v in values[:2]]
+    if all(bools):
+        return "RuntimeError", ("Subtraction, the `-` operator, with two bool tensors is not supported. "
+                                "Use the `^` or `logical_xor()` operator instead.")
+    if any(bools):
+        return "RuntimeError", ("Subtraction, the `-` operator, with a bool tensor is not supported. "
+                                "If you are trying to invert a mask, use the `~` or `logical_not()` operator instead.")
+    return None
+
+
+# Refusals CPU (and CUDA) decide by a rule, not by a dtype kernel list: overload -> rule(values) ->
+# (exception type, message) or None. In-place and out= overloads are judged by their functional form.
+RULES = {"sub.Tensor": _sub_rule, "sub.Scalar": _sub_rule, "rsub.Tensor": _sub_rule, "rsub.Scalar": _sub_rule}
+
+
+def _refusal(name, functional, sig, values, table: bool):
+    """(exception type, message) CPU raises for ``values`` of overload ``name``, or None."""
+    rule = RULES.get(name) or (RULES.get(functional) if functional is not None else None)
+    hit = rule(values) if rule is not None else None
+    if hit is None and table:
+        _, refused = refusals_of(name, functional)
+        if refused and not has_empty_tensor(sig, values):
+            hit = refused.get(dtype_signature(sig, values))
+            if hit is None:
+                hit = refused.get(dtype_signature(sig, values, wild=True))
+    return hit
+
+
+def _foreach_refusal(sig, values, table: bool):
+    """A ``_foreach_*`` call: the refusal of its base op for the first element that has one."""
+    # The plan maps the foreach arguments onto the base op's.
+    from .foreach_plan import foreach_plan
+    overload = sig.functional if sig.functional is not None else sig.overload
+    plan = foreach_plan(overload)
+    if plan is None:
+        return None
+    base = plan.base
+    lists = [values[i] for i, how in plan.mapping.values() if how == "list" and isinstance(values[i], list | tuple)]
+    for e in range(len(lists[0]) if lists else 0):
+        bound = base.bind((), {}, missing=None)
+        for j, (i, how) in plan.mapping.items():
+            v = values[i]
+            if how == "list":
+                v = v[e]
+            elif how == "index":     # _foreach_*.Tensor: element e's scalar, of the tensor's kind
+                v = 0.0 if v.dtype.is_floating_point else (False if v.dtype is torch.bool else 0)
+            bound[j] = v
+        hit = _refusal(registry_name(base.overload), None, base, bound, table)
+        if hit is not None:
+            return hit
+    return None
+
+
+def _raise(sig, values, describe, hit):
     kind, message = hit
     cls = NotImplementedError if kind == "NotImplementedError" else RuntimeError
     raise cls(f"{message}\n[torchneuron] in {sig.name}{describe(values)}: PyTorch's CPU kernel refuses "
               "these dtypes too; convert the inputs to a dtype it supports")
+
+
+def check(sig, values, describe, table: bool = True) -> None:
+    """Raise CPU's error if its kernels refuse these dtypes for this overload (an in-place overload
+    the table never saw is judged by its functional form). ``describe(values)`` names the inputs.
+    ``table=False`` (graphs): the rules only, and ``_foreach_*`` ops element by element."""
+    functional = None if sig.functional is None else registry_name(sig.functional)
+    name = registry_name(sig.overload)
+    hit = _refusal(name, functional, sig, values, table)
+    if hit is None and name.startswith("_foreach_"):
+        hit = _foreach_refusal(sig, values, table=True)
+    if hit is not None:
+        _raise(sig, values, describe, hit)
+
+
+def _metas(values) -> str:
+    """A graph node's arguments as an error names them: dtypes and sizes of its (meta) tensors."""
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+        if isinstance(v, list | tuple):
+            return "[" + ", ".join(one(x) for x in v) + "]"
+        return repr(v)
+    return "(" + ", ".join(one(v) for v in values) + ")"
+
+
+def graph_check(sig, values) -> None:
+    """The refusals that hold in torch.compile graphs (see the module docstring), on metas."""
+    check(sig, values, _metas, table=False)
