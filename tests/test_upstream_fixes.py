@@ -296,7 +296,7 @@ def test_dtype_refusals_are_checked_once_per_executable(monkeypatch):
     from torchneuron.ops import cpu_dtypes
     calls = []
     real = cpu_dtypes.check
-    monkeypatch.setattr(cpu_dtypes, "check", lambda *a: calls.append(a[0].name) or real(*a))
+    monkeypatch.setattr(cpu_dtypes, "check", lambda *a, **k: calls.append(a[0].name) or real(*a, **k))
     x = torch.arange(7.0, device="neuron")[1:]          # a shape no other test uses
     for _ in range(3):
         torch.nn.functional.hardswish(x)

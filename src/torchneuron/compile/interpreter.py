@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from ..ops import checks
+from ..ops import checks, cpu_dtypes
 from ..runtime import inputs, layout
 from ..runtime.dtypes import cast, cast_and_broadcast, device_dtype, jax_dtype
 from ..runtime.inputs import Inputs
@@ -145,6 +145,7 @@ class Interpreter:
         sig = step.signature
         values = sig.bind(node.args, node.kwargs, missing=None)
         metas = [meta_of(v) for v in values]
+        cpu_dtypes.graph_check(sig, metas)   # rules such as sub of a bool, _foreach_* element by element
         sig.check_dtypes(metas)
         arrays = [_lookup(v, env) for v in values]
         if sig.name == "aten::as_strided":

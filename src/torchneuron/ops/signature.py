@@ -273,10 +273,8 @@ class OpSignature:
 
     def check_dtypes(self, values) -> None:
         """The dtype rules CPU kernels check and meta kernels do not (``Lowering.same_dtype``):
-        at plan/trace time, on tensors or their metas; and the refusals that hold in graphs too
-        (``cpu_dtypes.graph_check``: rules such as sub of a bool, ``_foreach_*`` element by element)."""
-        from . import cpu_dtypes  # it imports this module (a cycle at import time)
-        cpu_dtypes.graph_check(self, values)
+        at plan/trace time, on tensors or their metas. (Graphs also check ``cpu_dtypes.graph_check``,
+        eager plans the whole table, ``cpu_dtypes.check``.)"""
         if self.same_dtype is None:
             return
         i, j, a, b, message = self.same_dtype
