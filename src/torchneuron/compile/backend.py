@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import operator
 import warnings
 from dataclasses import dataclass
 
@@ -91,6 +92,7 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
 
 def _compile_aot(gm, example_inputs, opts: CompileOptions, bucketed: bool = False):
 
+    _refuse_data_dependent_backward(gm)
     graph_id = next(_graph_ids)
     # dynamic=True makes every dim symbolic, varying or not: its sizes are compiled exactly until
     # they vary. Otherwise a symbolic dim has varied (automatic dynamic) or was marked dynamic.
@@ -121,6 +123,64 @@ def _compile_aot(gm, example_inputs, opts: CompileOptions, bucketed: bool = Fals
         keep_inference_input_mutations=True,
     )
     return backend(gm, example_inputs)
+
+
+# Ops whose output shape is static but whose derivative for one argument is not: the gradient of
+# a value written through a bool mask is ``grad[mask]`` (``nonzero``), and index_fill's value
+# gradient sums the distinct indices (``_unique``).
+_MASK_WRITES = {torch.index_put, torch.Tensor.index_put, torch.Tensor.index_put_, "index_put", "index_put_",
+                operator.setitem}
+_INDEX_FILLS = {torch.index_fill, torch.Tensor.index_fill, torch.Tensor.index_fill_, "index_fill", "index_fill_"}
+
+
+def _refuse_data_dependent_backward(gm) -> None:
+    """Raise what FakeTensor raises for an op whose output shape depends on data, before
+    AOTAutograd's joint trace meets it inside the backward: there the error crosses autograd's
+    engine on the neuron device, whose Python device guard then calls Python with the error still
+    pending, and the process aborts (std::terminate). Raised here, Dynamo runs the frame eagerly,
+    as it does for CPU (``exceptions_allowed_to_be_fallback``)."""
+    if not torch.is_grad_enabled():
+        return
+    for node in gm.graph.nodes:
+        target = node.target if node.op in ("call_function", "call_method") else None
+        if target in _MASK_WRITES:
+            index, value = (*node.args[1:3], None, None)[:2]   # (x, indices, values) and setitem's
+            if _requires_grad(value) and any(_is_mask(n) for n in _nodes_in(index)):
+                _data_dependent(node, torch.ops.aten.nonzero.default,
+                                "a value written through a bool mask needs grad[mask]")
+        elif target in _INDEX_FILLS and len(node.args) >= 4 and _requires_grad(node.args[3]):
+            _data_dependent(node, torch.ops.aten._unique.default,
+                            "index_fill's value gradient sums over the distinct indices")
+
+
+def _nodes_in(arg) -> list:
+    found = []
+    torch.fx.node.map_arg(arg, found.append)
+    return found
+
+
+def _example(node):
+    return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+
+
+def _requires_grad(arg) -> bool:
+    value = _example(arg)
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+def _is_mask(node) -> bool:
+    value = _example(node)
+    return isinstance(value, torch.Tensor) and value.dtype in (torch.bool, torch.uint8)
+
+
+def _data_dependent(node, func, why: str):
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+    op = f"{getattr(node.target, '__name__', node.target)} ({why})"
+    metrics.graph_fallbacks[op] += 1
+    warnings.warn(f"torchneuron: a torch.compile graph runs eagerly: its backward needs an output "
+                  f"shape that depends on data: {op}. On CPU Dynamo falls back the same way; "
+                  "torch.where(mask, value, x) keeps a masked write compiled.", stacklevel=3)
+    raise DynamicOutputShapeException(func)
 
 
 @functools.cache
