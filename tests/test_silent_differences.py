@@ -10,19 +10,9 @@ import sys
 
 import pytest
 import torch
+from test_reliability_errors import outcome as _outcome
 
 from torchneuron.eager import oracle
-
-
-def _outcome(fn, d):
-    """("ok", result on CPU) or (CPU-style first line of the error, None)."""
-    try:
-        out = fn(d)
-        if d == "neuron":
-            torch.neuron.synchronize()
-        return "ok", out.cpu() if isinstance(out, torch.Tensor) else None
-    except RuntimeError as err:
-        return str(err).splitlines()[0], None
 
 
 def _spy_replays(monkeypatch):
