@@ -29,7 +29,7 @@ def _spy_replays(monkeypatch):
     return calls
 
 
-def test_same_view_writes_replay_on_cpu_once_per_layout_not_per_call(monkeypatch):
+def test_same_view_writes_replay_on_cpu_once_per_layout_not_per_call(monkeypatch, both_eager_modes):
     """x.add_(x) and x[i].add_(x[i]) replayed the call on CPU every time (a zero-filled copy of the
     storage and the CPU kernel: 16.8 ms a call for 1M floats, 1.0 ms now); the verdict depends only
     on where the views lie relative to each other."""
@@ -47,7 +47,7 @@ def test_same_view_writes_replay_on_cpu_once_per_layout_not_per_call(monkeypatch
     assert len(replays) == 2, replays   # one per layout: the whole view, a row
 
 
-def test_a_cached_verdict_does_not_let_a_partial_overlap_through(monkeypatch):
+def test_a_cached_verdict_does_not_let_a_partial_overlap_through(monkeypatch, both_eager_modes):
     """One executable (same sizes and strides, offsets are runtime inputs), three layouts: the same
     view and disjoint views run, the partial overlap raises CPU's error, in any order."""
     def calls(d):
