@@ -94,6 +94,11 @@ _CASES = [
                                                                             x[:8].view(2, 2, 2)))(_a(d))),
     ("softmax-out-partial", lambda d: (lambda x: torch._softmax(x[:8], 0, False, out=x[1:9]))(_a(d))),
     ("mv-out-partial", lambda d: (lambda x: torch.mv(_m(d)[:3, :3], x[:3], out=x[1:4]))(_a(d))),
+    ("mean-out-partial", lambda d: (lambda x: torch.mean(x[:8].view(2, 4), 0, out=x[1:5]))(_a(d))),
+    ("addmm-out-partial", lambda d: (lambda x: torch.addmm(x[:4].view(2, 2), x[:4].view(2, 2), x[:4].view(2, 2),
+                                                           out=x[1:5].view(2, 2)))(_a(d))),
+    ("addr-out-partial", lambda d: (lambda x: torch.addr(x[:4].view(2, 2), x[:2], x[2:4],
+                                                         out=x[1:5].view(2, 2)))(_a(d))),
     ("cumsum-out-partial", lambda d: (lambda x: torch.cumsum(x[:8], 0, out=x[1:9]))(_a(d))),
     ("gather-out-partial", lambda d: (lambda x: torch.gather(x[:8], 0, torch.tensor(_IDX, device=d),
                                                              out=x[1:3]))(_a(d))),
@@ -104,7 +109,7 @@ _CASES = [
 # These read what they have just written on CPU (BLAS and reductions into an input's memory): its
 # values there are an accident of the kernel, so only the verdict is compared.
 _CPU_READS_ITS_WRITES = {"sum-out-partial", "sum-out-same-storage", "bmm-out-partial", "baddbmm_-partial",
-                         "mv-out-partial"}
+                         "mv-out-partial", "mean-out-partial"}
 
 
 @pytest.mark.parametrize("limit", ["replayed", "rules"])

@@ -144,7 +144,10 @@ def check_overlaps(sig, values, describe) -> None:
     if not mutated or not may_overlap(mutated, others):
         return
     key = (sig.overload, layout(values))
-    err = _verdicts.get(key, _UNKNOWN)
+    try:
+        err = _verdicts.get(key, _UNKNOWN)
+    except TypeError:   # an argument that cannot be a key: judged each time
+        key, err = None, _UNKNOWN
     if err is _UNKNOWN:
         if replays(sig.overload) and not too_large(values):
             err = cpu_error(sig.overload, values, sig.kwarg_only, sig.arg_names)
@@ -154,7 +157,8 @@ def check_overlaps(sig, values, describe) -> None:
             err = None
         if len(_verdicts) >= _VERDICTS_MAX:
             _verdicts.clear()
-        _verdicts[key] = err
+        if key is not None:
+            _verdicts[key] = err
     if err is not None:
         raise as_cpu_error(err, sig.name, describe(values))
 
@@ -208,8 +212,9 @@ _NO_OVERLAP_OPS = ("index_fill", "index_copy", "index_add", "index_reduce", "ind
                    "gather", "index_select", "take", "take_along_dim", "cat")
 # Ops whose CPU kernels check only the written tensor's internal overlap, not its overlap with the
 # inputs (reductions, BLAS products, softmax): CPU runs them on overlapping views.
-_INPUTS_UNCHECKED_OPS = ("sum", "nansum", "mean", "prod", "amax", "amin", "mm", "bmm", "mv", "addmm", "addmv",
-                         "baddbmm", "addbmm", "addr", "dot", "vdot", "_softmax", "_log_softmax")
+# (addmm, addbmm and addr do refuse a partial overlap.)
+_INPUTS_UNCHECKED_OPS = ("sum", "nansum", "mean", "prod", "amax", "amin", "mm", "bmm", "mv", "addmv", "baddbmm",
+                         "dot", "vdot", "_softmax", "_log_softmax")
 # Ops that do not check their written tensor at all (TensorIteratorConfig.set_check_mem_overlap(false)).
 _UNCHECKED_OPS = ("fill", "zero", "set", "resize", "resize_as", "detach", "as_strided", "squeeze",
                   "unsqueeze", "transpose", "t", "swapdims", "swapaxes", "normal", "uniform", "bernoulli",
