@@ -98,24 +98,26 @@ _STRUCTURAL = [
 ]
 
 
+def outcome(fn, d):
+    """("ok", result on CPU) or (the first line of the RuntimeError, None)."""
+    try:
+        out = fn(d)
+        if d == "neuron":
+            torch.neuron.synchronize()
+        return "ok", out.cpu() if isinstance(out, torch.Tensor) else None
+    except RuntimeError as err:
+        return str(err).splitlines()[0], None
+
+
 @pytest.mark.parametrize("fn", [f for _, f in _STRUCTURAL], ids=[n for n, _ in _STRUCTURAL])
 def test_overlap_rules_from_strides_agree_with_cpu(fn, monkeypatch):
     """With no CPU replay possible (a limit of 0 bytes), ATen's rules applied to the views give
     CPU's verdict."""
     from torchneuron.eager import oracle
 
-    def outcome(d):
-        try:
-            out = fn(d)
-            if d == "neuron":
-                torch.neuron.synchronize()
-            return "ok", out.cpu() if isinstance(out, torch.Tensor) else None
-        except RuntimeError as err:
-            return str(err).splitlines()[0], None
-
-    expected = outcome("cpu")
+    expected = outcome(fn, "cpu")
     monkeypatch.setattr(oracle, "REPLAY_LIMIT_BYTES", 0)
-    got = outcome("neuron")
+    got = outcome(fn, "neuron")
     assert got[0] == expected[0]
     if expected[1] is not None:
         torch.testing.assert_close(got[1], expected[1])

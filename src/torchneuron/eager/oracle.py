@@ -29,6 +29,10 @@ _NOT_REPLAYED = ("linalg_", "_linalg_", "ormqr", "geqrf", "householder_product",
                  "cholesky", "lu", "_lu", "lstsq", "svd", "_svd", "eig", "symeig", "qr", "slogdet",
                  "logdet", "det", "inverse", "pinverse", "matrix_exp", "lu_solve", "lu_unpack")
 
+# linalg_ ops that are elementwise kernels (TensorIterator, no LAPACK): replayed, and their overlap
+# checked as CPU does (torch.linalg.cross(a, b, out=a[1:]) ran on neuron where CPU refuses it).
+_REPLAYED_LINALG = ("linalg_cross",)
+
 # PyTorch's message for writes through overlapping memory starts with this.
 OVERLAP = "unsupported operation:"
 
@@ -37,6 +41,8 @@ def replays(overload) -> bool:
     """Whether :func:`cpu_error` replays this op (linear algebra is not: zero-filled inputs make
     its CPU kernels fail for reasons of their own, singular or not positive-definite matrices)."""
     base = overload.name().split("::", 1)[-1].split(".", 1)[0]
+    if base in _REPLAYED_LINALG:
+        return True
     return not (base.startswith(_NOT_REPLAYED[:2]) or base.rstrip("_") in _NOT_REPLAYED[2:])
 
 
@@ -137,12 +143,55 @@ def check_overlaps(sig, values, describe) -> None:
     others = sig.other_tensors(values)
     if not mutated or not may_overlap(mutated, others):
         return
-    if replays(sig.overload) and not too_large(values):
-        err = cpu_error(sig.overload, values, sig.kwarg_only, sig.arg_names)
-    else:
-        err = overlap_error(sig.overload, mutated, others)
-    if err is not None and str(err.args[0] if err.args else err).startswith(OVERLAP):
+    key = (sig.overload, layout(values))
+    try:
+        err = _verdicts.get(key, _UNKNOWN)
+    except TypeError:   # an argument that cannot be a key: judged each time
+        key, err = None, _UNKNOWN
+    if err is _UNKNOWN:
+        if replays(sig.overload) and not too_large(values):
+            err = cpu_error(sig.overload, values, sig.kwarg_only, sig.arg_names)
+        else:
+            err = overlap_error(sig.overload, mutated, others)
+        if err is not None and not str(err.args[0] if err.args else err).startswith(OVERLAP):
+            err = None
+        if len(_verdicts) >= _VERDICTS_MAX:
+            _verdicts.clear()
+        if key is not None:
+            _verdicts[key] = err
+    if err is not None:
         raise as_cpu_error(err, sig.name, describe(values))
+
+
+# CPU's overlap verdict per (op, layout): it depends on the views' dtypes, sizes, strides and where
+# they lie relative to each other in their storages, not on where the group starts (``x[i].add_(x[i])``
+# in a loop is one layout) nor on values. A call whose written tensor meets another argument (the
+# very same view, ``x.add_(x)``; interleaved views) replayed on CPU every time: once per layout now.
+_verdicts: dict = {}
+_VERDICTS_MAX = 4096
+_UNKNOWN = object()
+
+
+def layout(values) -> tuple:
+    """What decides an overlap verdict for these arguments (schema order): each tensor's dtype,
+    device, sizes, strides, storage (numbered in order of appearance, with its size) and offset
+    relative to the first view of that storage; the Python type of each scalar; other values as
+    they are (dims, dtypes, flags)."""
+    storages: dict = {}
+
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            storage = v.untyped_storage()
+            group = storages.setdefault((v.device, storage.data_ptr()), (len(storages), v.storage_offset()))
+            return (v.dtype, v.device, tuple(v.shape), v.stride(), group[0], storage.nbytes(),
+                    v.storage_offset() - group[1])
+        if isinstance(v, list | tuple):
+            return tuple(one(x) for x in v)
+        if isinstance(v, bool | int | float | complex):
+            return type(v)
+        return v
+
+    return tuple(one(v) for v in values)
 
 
 # -- ATen's memory-overlap rules (aten/src/ATen/MemoryOverlap.cpp), from strides and spans -----------
@@ -160,7 +209,12 @@ PARTIAL_OVERLAP = ("unsupported operation: some elements of the input tensor and
 # their index or source (assert_no_overlap); TensorIterator ops accept the very same view.
 _NO_OVERLAP_OPS = ("index_fill", "index_copy", "index_add", "index_reduce", "index_put", "_index_put_impl",
                    "scatter", "scatter_add", "scatter_reduce", "put", "masked_scatter", "masked_fill",
-                   "gather", "index_select", "take", "take_along_dim")
+                   "gather", "index_select", "take", "take_along_dim", "cat")
+# Ops whose CPU kernels check only the written tensor's internal overlap, not its overlap with the
+# inputs (reductions, BLAS products, softmax): CPU runs them on overlapping views.
+# (addmm, addbmm and addr do refuse a partial overlap.)
+_INPUTS_UNCHECKED_OPS = ("sum", "nansum", "mean", "prod", "amax", "amin", "mm", "bmm", "mv", "addmv", "baddbmm",
+                         "dot", "vdot", "_softmax", "_log_softmax")
 # Ops that do not check their written tensor at all (TensorIteratorConfig.set_check_mem_overlap(false)).
 _UNCHECKED_OPS = ("fill", "zero", "set", "resize", "resize_as", "detach", "as_strided", "squeeze",
                   "unsqueeze", "transpose", "t", "swapdims", "swapaxes", "normal", "uniform", "bernoulli",
@@ -218,7 +272,7 @@ def overlap_error(overload, mutated, others) -> RuntimeError | None:
     for t in mutated:
         if t.numel() > 1 and has_internal_overlap(t) == YES:
             return RuntimeError(INTERNAL_OVERLAP)
-    if not replays(overload):
+    if not replays(overload) or base in _INPUTS_UNCHECKED_OPS:
         return None
     refused = (FULL, PARTIAL) if base in _NO_OVERLAP_OPS else (PARTIAL,)
     for t in mutated:

@@ -32,6 +32,19 @@ def _apply_async_dispatch(value: bool) -> None:
             "torchneuron: config.cpu_async_dispatch changed after the CPU client started; it takes "
             "effect in a new process (set TORCHNEURON_CPU_ASYNC_DISPATCH before starting it)", stacklevel=3)
         return
+    if _async_dispatch_applied is None and "cpu" in getattr(xla_bridge, "_backends", {}):
+        # JAX started its CPU client before torchneuron was imported: the client keeps the switch
+        # it started with, and setting it now would only make JAX's config misreport it.
+        started = bool(jax.config.values.get("jax_cpu_enable_async_dispatch", True))
+        _async_dispatch_applied = started
+        if started != value:
+            warnings.warn(
+                f"torchneuron: config.cpu_async_dispatch={value} has no effect: JAX's CPU client was "
+                f"started before torchneuron was imported and runs with async dispatch {started}. "
+                "Import torchneuron (or set TORCHNEURON_CPU_ASYNC_DISPATCH) before any code that runs "
+                "JAX computations, or call jax.config.update('jax_cpu_enable_async_dispatch', "
+                f"{value}) before JAX's first computation.", stacklevel=3)
+        return
     # Inline execution: on the CPU platform every eager op is a small computation, and handing it to
     # XLA's thread pool costs more CPU time than running it (measured in docs/performance.md).
     jax.config.update("jax_cpu_enable_async_dispatch", value)
