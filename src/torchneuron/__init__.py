@@ -29,7 +29,7 @@ def register() -> None:
     from . import distributed, integrations, profiler
     from .config import observe
     from .eager import adaptive, registration
-    from .runtime import autocast, modules, pinned, printing, rng, serialization
+    from .runtime import autocast, guard, modules, pinned, printing, rng, serialization
     from .runtime import device as device_module
 
     class _Hooks(torch._C._acc.PrivateUse1Hooks):
@@ -44,11 +44,12 @@ def register() -> None:
 
     class _Guard(torch._C._acc.DeviceGuard):
         def type_(self):
-            return torch._C._autograd.DeviceType.PrivateUse1
+            return guard.device_type()   # keeps an error a backward op raised (runtime/guard.py)
 
     if torch._C._get_privateuse1_backend_name() != "neuron":
         _setup_privateuseone_for_python_backend(
             "neuron", backend_module=device_module, hook=_Hooks(), device_guard=_Guard())
+    guard.install()            # autograd reports errors the guard kept
     registration.register_all()
     # `import torch.neuron.memory` / `from torch.neuron.memory import ...`, as with torch.cuda.memory.
     import sys

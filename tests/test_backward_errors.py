@@ -1,4 +1,4 @@
-"""torch.compile graphs whose backward needs a data-dependent output shape (a value written through
+"""Errors inside backward on neuron. torch.compile graphs whose backward needs a data-dependent output shape (a value written through
 a bool mask, index_fill with a tensor value): AOTAutograd's joint trace cannot build them, and must
 fall back to eager as on CPU -- not abort the process inside autograd's engine."""
 
@@ -60,3 +60,23 @@ def test_without_grad_the_masked_write_stays_compiled():
     out = torch.compile(_masked_write, backend="neuron")(x, m, s)
     assert sum(metrics.graph_fallbacks.values()) == before
     torch.testing.assert_close(out.cpu(), _masked_write(x.cpu(), m.cpu(), s.cpu()))
+
+
+class _RaiseInMul(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode (as tensor subclasses such as DTensor have) whose op fails inside backward."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mul.Tensor:
+            raise ValueError("mul refused by the mode")
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_error_raised_through_torch_dispatch_inside_backward_reaches_the_caller():
+    # It used to end the process: autograd's stream guard called the device guard's Python method
+    # with the error pending (std::terminate, "terminate called without an active exception").
+    x = torch.randn(3, device="neuron", requires_grad=True)
+    y = (x * x).sum()
+    with pytest.raises(ValueError, match="mul refused by the mode"), _RaiseInMul():
+        y.backward()
+    (x * 3).sum().backward()             # the engine is still usable
+    torch.testing.assert_close(x.grad.cpu(), torch.full((3,), 3.0))
