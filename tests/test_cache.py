@@ -241,7 +241,8 @@ _EAGER_RUN = textwrap.dedent("""
     linalg_err = max((f(spd.to("neuron")).cpu() - f(spd)).abs().max().item() for f in linalg.values())
     m = torchneuron.metrics()
     print("RESULT" + json.dumps({"compiled": m["executables_compiled"], "loaded": m["eager_cache_loads"],
-                                  "loss": loss.item(), "drop": drop.item(), "linalg_err": linalg_err}))
+                                  "loss": loss.item(), "drop": drop.item(), "linalg_err": linalg_err,
+                                  "bucketed": m["extra"].get("bucketed_eager_compiles", 0)}))
 """)
 
 
@@ -262,7 +263,8 @@ def test_second_process_loads_eager_executables_and_runs_them_correctly(tmp_path
     assert warm["loss"] == cold["loss"] and warm["drop"] == cold["drop"]   # same RNG stream too
     assert cold["linalg_err"] < 1e-3 and warm["linalg_err"] == cold["linalg_err"]
     stored = list((tmp_path / "cache" / "eager").glob("*.tnexe"))
-    assert len(stored) == cold["compiled"]
+    # Bucketed eager programs (config.shapes="bucketed") are kept by JAX's persistent cache instead.
+    assert len(stored) == cold["compiled"] - cold["bucketed"]
 
 
 @pytest.mark.parametrize("name", ["view out", "mutate and view", "as_strided, own offset", "as_strided, offset 5"])

@@ -252,3 +252,41 @@ def test_multi_head_attention_with_varying_lengths_matches_cpu(bucketed):
         for g, want in zip(got, run(q, k, v, weights)):
             torch.testing.assert_close(g.cpu(), want, rtol=1e-5, atol=1e-5)
     assert _extra("bucketed_eager_compiles") > 0      # the later lengths ran bucketed
+
+
+def test_an_op_refused_after_its_storages_grew_keeps_exact_keys(bucketed, monkeypatch):
+    # A bucketed program that fails to build (NoRule) after the call's storages got a bucket's
+    # capacity falls back to the exact executable: it reads the grown storages, so it must be keyed
+    # by them. Keyed by the sizes before, a later fresh storage of the old size took it: jax
+    # retraced it silently (an XLA compile no metric counted), or an executable loaded from the
+    # disk cache refused the buffer ("Argument types differ from the types ... compiled").
+    import jax.monitoring
+    from torchneuron.compile import dynamic, eager_buckets
+
+    def refuse(self, *args, **kwargs):
+        raise dynamic.NoRule("aten.exp.default", "refused by the test")
+
+    monkeypatch.setattr(eager_buckets._EagerProgram, "executable", refuse)
+    xla_compiles = []
+
+    def on_duration(event, _secs, **_kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            xla_compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+
+    def line(x):   # one user line: its sizes vary, so the op is learnt dynamic here
+        return torch.exp(x)
+
+    try:
+        for n in (5, 7, 9, 5, 7, 9, 6):
+            cpu = torch.randn(n, 3)
+            x = cpu.to("neuron")
+            before = len(xla_compiles), _compiles()
+            out = line(x)
+            torch.testing.assert_close(out.cpu(), torch.exp(cpu))
+            # every XLA compile of the op is an eager compile torchneuron counted
+            assert len(xla_compiles) - before[0] <= _compiles() - before[1], n
+    finally:
+        from jax._src import monitoring
+        monitoring.unregister_event_duration_listener(on_duration)

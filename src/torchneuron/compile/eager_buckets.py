@@ -533,7 +533,8 @@ class _EagerProgram:
         self.checks = trace.checks
         seconds = time.perf_counter() - start
         metrics.compile_seconds += seconds
-        if hits.count:
+        if hits.count:   # an eager executable loaded from the persistent cache, as exact ones count
+            metrics.eager_cache_loads += 1
             metrics.extra["bucketed_eager_persistent_cache_hits"] += 1
         else:
             metrics.executables_compiled += 1

@@ -214,8 +214,9 @@ class Kernel(Planning, OpSignature):
     def _miss(self, key, values, specs, ctx):
         if bucketer is not None and recorder is None:
             exe = bucketer(self, key, values, specs, ctx, lambda: self._plan(values, specs, ctx))
-            if exe.boxed:   # storages it reads may have been given a bucket's capacity
-                key = (*key[:3], tuple(ctx.storages), *key[4:])
+            storages = tuple(ctx.storages)
+            if storages != key[3]:   # the storages it reads were given a bucket's capacity: its key
+                key = (*key[:3], storages, *key[4:])   # (also an exact executable of a refused op)
                 if _cache.get(key) is exe:   # a length seen before, from a fresh storage
                     return exe
         else:
