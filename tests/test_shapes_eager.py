@@ -261,6 +261,7 @@ def test_an_op_refused_after_its_storages_grew_keeps_exact_keys(bucketed, monkey
     # retraced it silently (an XLA compile no metric counted), or an executable loaded from the
     # disk cache refused the buffer ("Argument types differ from the types ... compiled").
     import jax.monitoring
+
     from torchneuron.compile import dynamic, eager_buckets
 
     def refuse(self, *args, **kwargs):
