@@ -2,6 +2,7 @@
 
     torchneuron check [options] -- python train.py ARGS...     migration-readiness report
     torchneuron env [--json]                                   version manifest of this machine
+    torchneuron doctor [--json] [--timeout S] [--cache-dir DIR] preflight: platform, rank device, collective, cache
     torchneuron cache info [--cache-dir DIR]                   what the compile cache holds
     torchneuron cache pack ARCHIVE [--cache-dir DIR]           the compile cache as one tar.gz
     torchneuron cache unpack ARCHIVE [--cache-dir DIR]         merge an archive into the compile cache
@@ -12,10 +13,13 @@
 on CPU as a numerical and performance baseline, and again as a warm start), then writes
 report.md, report.html and report.json. Exit status: 0 ready, 1 problems at or above --fail-on,
 2 the command could not be run (invalid options, checked before anything runs; an unwritable report
-folder), 128+N stopped by signal N (the script is stopped with it).
+folder; a failed --preflight), 128+N stopped by signal N (the script is stopped with it).
 
 ``cache verify`` exits 0 when the cache served every executable the run needed, 1 when some had
 to be compiled (each is listed with why), 2 when it could not verify (no cache, the script failed).
+
+``doctor`` checks, before any model code, what a long run finds out late (report/doctor.py); exit
+status 0 when every check is ok or a warning, 1 when one failed. ``check --preflight`` runs it first.
 """
 
 from __future__ import annotations
@@ -180,6 +184,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-on", choices=("blocker", "warning", "never"), default="blocker",
                    help="exit with status 1 when the report has problems of this severity (default: blocker)")
     p.add_argument("-q", "--quiet", action="store_true", help="do not echo the script's output (logs are kept)")
+    p.add_argument("--preflight", action="store_true",
+                   help="run `torchneuron doctor` with the script's interpreter and environment first; stop "
+                        "(exit status 2) when a check fails")
     return p
 
 
@@ -260,6 +267,8 @@ def _check(argv: list[str]) -> int:
     # The child imports this very torchneuron, whatever the interpreter's own path says.
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if args.preflight:
+        _preflight(interp, env)
     spec = {"role": "neuron", "device_map": device_map, "steps": args.steps, "timeout": args.timeout,
             "sync": not args.no_sync, "rtol": args.rtol, "atol": args.atol}
     cache_dir = None
@@ -300,6 +309,36 @@ def _check(argv: list[str]) -> int:
     if v["blockers"] or (args.fail_on == "warning" and v["warnings"]):
         return BLOCKERS
     return READY
+
+
+def _preflight(interp, env) -> None:
+    """`torchneuron doctor` in the interpreter and environment the script gets, before any run."""
+    print("torchneuron check: preflight: torchneuron doctor", file=sys.stderr, flush=True)
+    rc = subprocess.run([*interp, "-m", "torchneuron", "doctor"], env=env).returncode
+    if rc != 0:
+        raise UsageError(f"the preflight failed (torchneuron doctor exited with status {rc}, its table is above); "
+                         "nothing was run")
+
+
+def doctor_command(argv: list[str]) -> int:
+    from .report import doctor
+    p = argparse.ArgumentParser(prog="torchneuron doctor",
+                                description="Preflight: versions, platform, the device of this torchrun rank, a "
+                                            "collective across ranks, the cache folder, fork safety, settings.")
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds the collective may wait for the other ranks (default: %(default)s)")
+    p.add_argument("--cache-dir", help="the cache folder to check (default: config.cache_dir, TORCHNEURON_CACHE_DIR)")
+    args = p.parse_args(argv)
+    if not args.timeout > 0:
+        p.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    results = doctor.run_checks(cache_dir=args.cache_dir, timeout=args.timeout)
+    status = doctor.exit_status(results)
+    if args.json:
+        print(json.dumps({"ok": status == 0, "checks": results}, indent=1, default=str))
+    else:
+        print(doctor.table(results))
+    return status
 
 
 def env_command(argv: list[str]) -> int:
@@ -360,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
-    command = {"check": check, "env": env_command, "cache": cache_command}.get(argv[0])
+    command = {"check": check, "env": env_command, "cache": cache_command, "doctor": doctor_command}.get(argv[0])
     if command is None:
         print(f"torchneuron: unknown command {argv[0]!r}\n\n{usage}", file=sys.stderr)
         return 2
