@@ -147,6 +147,17 @@ def test_the_cache_check_leaves_no_trace(tmp_path):
     assert doctor.check_cache("")["status"] == "warn"
 
 
+def test_check_preflight_lets_a_healthy_environment_run_the_script(tmp_path):
+    script = tmp_path / "train.py"
+    marker = tmp_path / "ran"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    proc = subprocess.run([sys.executable, "-m", "torchneuron", "check", "--preflight", "-q", "-o", str(tmp_path / "r"),
+                           "--", sys.executable, str(script)], env=_env(tmp_path / "cache"), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "torchneuron doctor: 0 failed" in proc.stdout and marker.exists()
+
+
 def test_check_preflight_stops_before_the_script(tmp_path):
     script = tmp_path / "train.py"
     marker = tmp_path / "ran"

@@ -330,7 +330,7 @@ def doctor_command(argv: list[str]) -> int:
                    help="seconds the collective may wait for the other ranks (default: %(default)s)")
     p.add_argument("--cache-dir", help="the cache folder to check (default: config.cache_dir, TORCHNEURON_CACHE_DIR)")
     args = p.parse_args(argv)
-    if not args.timeout > 0:
+    if not (0 < args.timeout < float("inf")):
         p.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     results = doctor.run_checks(cache_dir=args.cache_dir, timeout=args.timeout)
     status = doctor.exit_status(results)
