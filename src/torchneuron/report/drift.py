@@ -88,11 +88,11 @@ class DriftReport:
         m = self.module
         label = m.name or "(model)"
         lines = [f"Drift ({tol}): first module leaving the tolerance: {label} ({m.type}), call {m.call}, "
-                 f"{m.phase}, output {m.output}: {m.difference.text()}"]
+                 f"{m.phase}, tensor {m.output}: {m.difference.text()}"]
         if self.op is None:
-            lines.append(f"  no single ATen op of it leaves the tolerance when re-run from CPU's inputs "
-                         f"({self.ops_compared} ops compared): the error accumulates across ops."
-                         + (f" {self.note}" if self.note else ""))
+            lines.append(f"  no single ATen op of it was found leaving the tolerance when re-run from CPU's "
+                         f"inputs ({self.ops_compared} ops compared): "
+                         + (self.note or "the error accumulates across ops."))
             return "\n".join(lines)
         o = self.op
         flags = []
@@ -206,20 +206,31 @@ def _loss(output, loss_fn):
     return sum(t.float().sum() for t in floats)
 
 
-class _Run:
-    """One side's run: each module call's inputs, outputs and output gradients."""
+def _keep(t):
+    if not isinstance(t, torch.Tensor):
+        return t
+    kept = t.detach().clone()
+    return kept.requires_grad_() if t.requires_grad else kept
 
-    def __init__(self, model, keep_inputs: bool):
-        self.calls: list[tuple] = []     # (name, call, module) in forward completion order
+
+class _Run:
+    """One side's run: each module call's inputs and outputs, and with ``backward`` each module's
+    gradients (of its outputs, its inputs and its own parameters) in the order backward made them."""
+
+    def __init__(self, model, keep_inputs: bool, backward: bool):
+        self.calls: list[tuple] = []     # (name, call, type) in forward completion order
         self.inputs: dict = {}
         self.outputs: dict = {}
-        self.grads: dict = {}            # (name, call, output index) -> grad
-        self.grad_order: list = []
+        self.backward: dict = {}         # (name, backward call) -> (grad_output, grad_input)
+        self.backward_order: list = []
         self._counts: dict = {}
+        self._backward_counts: dict = {}
         self._handles = []
         for name, module in model.named_modules():
             self._handles.append(module.register_forward_hook(
                 self._hook(name, keep_inputs), with_kwargs=True))
+            if backward:
+                self._handles.append(module.register_full_backward_hook(self._backward_hook(name)))
 
     def _hook(self, name, keep_inputs):
         def hook(module, args, kwargs, output):
@@ -228,19 +239,17 @@ class _Run:
             key = (name, call)
             self.calls.append((name, call, type(module).__name__))
             if keep_inputs:   # the op-level re-run starts from these
-                self.inputs[key] = tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t,
-                                            (args, kwargs))
-            outs = _tensors(output)
-            self.outputs[key] = [t.detach() for t in outs]
-            for i, t in enumerate(outs):
-                if t.requires_grad:
-                    t.register_hook(self._grad_hook(key + (i,)))
+                self.inputs[key] = tree_map(_keep, (args, kwargs))
+            self.outputs[key] = [t.detach() for t in _tensors(output)]
         return hook
 
-    def _grad_hook(self, key):
-        def hook(grad):
-            self.grads[key] = grad.detach()
-            self.grad_order.append(key)
+    def _backward_hook(self, name):
+        def hook(module, grad_input, grad_output):
+            call = self._backward_counts.get(name, 0)
+            self._backward_counts[name] = call + 1
+            detach = [None if g is None else g.detach() for g in grad_output]
+            self.backward[(name, call)] = (detach, [None if g is None else g.detach() for g in grad_input])
+            self.backward_order.append((name, call))
         return hook
 
     def remove(self):
@@ -249,16 +258,18 @@ class _Run:
 
 
 def _run(model, inputs, keep_inputs, backward, loss_fn):
-    run = _Run(model, keep_inputs)
+    run = _Run(model, keep_inputs, backward)
+    run.param_grads = {}
     try:
         args, kwargs = inputs
         with torch.set_grad_enabled(backward):
             output = model(*args, **kwargs)
             if backward:
-                params = [p for p in model.parameters() if p.requires_grad]
+                named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
                 loss = _loss(output, loss_fn)
                 # autograd.grad, not backward(): the user's .grad stays as it was
-                torch.autograd.grad(loss, params, allow_unused=True)
+                grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+                run.param_grads = {n: g for (n, _), g in zip(named, grads) if g is not None}
     finally:
         run.remove()
     return run
@@ -293,7 +304,7 @@ def locate_drift(model, inputs, baseline: str = "cpu", *, rtol: float = 1e-4, at
         raise RuntimeError("locate_drift: the model ran different modules on CPU and on neuron "
                            "(data-dependent control flow?); compare a smaller part of it.")
     report = DriftReport(rtol=rtol, atol=atol, backward=backward, modules_compared=len(cpu.calls))
-    found = _first_module(cpu, dev, rtol, atol, backward)
+    found = _first_module(cpu, dev, rtol, atol, backward, cpu_model)
     if found is None:
         return report
     report.module = found
@@ -301,13 +312,18 @@ def locate_drift(model, inputs, baseline: str = "cpu", *, rtol: float = 1e-4, at
     cpu_modules = dict(cpu_model.named_modules())
     key = (found.name, found.call)
     grads = None
-    if found.phase == "backward":
-        grads = [cpu.grads.get(key + (i,)) for i in range(len(cpu.outputs[key]))]
+    if found.phase.startswith("backward"):
+        grads = cpu.backward[(found.name, _backward_call(cpu, found.name, found.call))][0]
     _bisect_ops(report, cpu_modules[found.name], modules[found.name], cpu.inputs[key], device, grads)
     return report
 
 
-def _first_module(cpu, dev, rtol, atol, backward) -> ModuleDrift | None:
+def _backward_call(run, name, call) -> int:
+    """Backward hooks number a module's calls in backward order: the last forward call is 0."""
+    return sum(1 for c in run.calls if c[0] == name) - 1 - call
+
+
+def _first_module(cpu, dev, rtol, atol, backward, model) -> ModuleDrift | None:
     for name, call, kind in cpu.calls:
         for i, (c, d) in enumerate(zip(cpu.outputs[(name, call)], dev.outputs[(name, call)])):
             diff = compare(c, d, rtol, atol)
@@ -315,27 +331,39 @@ def _first_module(cpu, dev, rtol, atol, backward) -> ModuleDrift | None:
                 return ModuleDrift(name, kind, call, "forward", i, diff)
     if not backward:
         return None
-    kinds = {(name, call): kind for name, call, kind in cpu.calls}
-    for key in cpu.grad_order:   # the order CPU's backward produced them
-        if key not in dev.grads:
+    modules = dict(model.named_modules())
+    # The first module, in the order backward reached it, whose gradients (of its inputs or its own
+    # parameters) drift; one whose output gradient already drifts got it from code between modules.
+    for name, bw_call in cpu.backward_order:
+        if (name, bw_call) not in dev.backward:
             continue
-        diff = compare(cpu.grads[key], dev.grads[key], rtol, atol)
-        if diff is not None:
-            return ModuleDrift(key[0], kinds[key[:2]], key[1], "backward", key[2], diff)
+        (c_out, c_in), (d_out, d_in) = cpu.backward[(name, bw_call)], dev.backward[(name, bw_call)]
+        call = _backward_call(cpu, name, bw_call)   # the same map turns it back into the forward call
+        kind = type(modules[name]).__name__
+        for what, cs, ds in (("output gradient", c_out, d_out), ("input gradient", c_in, d_in)):
+            for i, (c, d) in enumerate(zip(cs, ds)):
+                diff = c is not None and d is not None and compare(c, d, rtol, atol)
+                if diff:
+                    return ModuleDrift(name, kind, call, f"backward ({what})", i, diff)
+        prefix = f"{name}." if name else ""
+        for i, (pname, _) in enumerate(modules[name].named_parameters(recurse=False)):
+            c, d = cpu.param_grads.get(prefix + pname), dev.param_grads.get(prefix + pname)
+            diff = c is not None and d is not None and compare(c, d, rtol, atol)
+            if diff:
+                return ModuleDrift(name, kind, call, f"backward (gradient of {pname})", i, diff)
     return None
 
 
-def _rerun(module, inputs, grads):
+def _rerun(module, inputs, grads, device):
     """Run ``module`` on ``inputs`` (and its backward from ``grads``) under a recorder."""
     args, kwargs = inputs
+    grads = None if grads is None else [None if g is None else g.to(device) for g in grads]   # not recorded
     recorder = _Recorder()
-    forward_ops = 0
     with torch.set_grad_enabled(grads is not None), recorder:
         out = module(*args, **kwargs)
         forward_ops = len(recorder.ops)
         if grads is not None:
-            outs = _tensors(out)
-            pairs = [(o, g.to(o.device)) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+            pairs = [(o, g) for o, g in zip(_tensors(out), grads) if g is not None and o.requires_grad]
             leaves = [p for p in module.parameters() if p.requires_grad] + [
                 t for t in _tensors(inputs) if t.requires_grad]
             if pairs and leaves:
@@ -344,8 +372,8 @@ def _rerun(module, inputs, grads):
 
 
 def _bisect_ops(report, cpu_module, dev_module, inputs, device, grads):
-    cpu_ops, cpu_forward = _rerun(cpu_module, _to(inputs, "cpu"), grads)
-    dev_ops, _ = _rerun(dev_module, _to(inputs, device), grads)
+    cpu_ops, cpu_forward = _rerun(cpu_module, _to(inputs, "cpu"), grads, "cpu")
+    dev_ops, _ = _rerun(dev_module, _to(inputs, device), grads, device)
     report.ops_compared = min(len(cpu_ops), len(dev_ops))
     downcast_seen = False
     for i, (c, d) in enumerate(zip(cpu_ops, dev_ops)):
