@@ -110,6 +110,7 @@ def test_no_drift_forward_and_backward():
     assert report.modules_compared == 7   # inp, middle and its 3 children, out, the model
     assert str(report).startswith("No drift")
     assert [p.grad for p in model.parameters()] == before   # the user's grads are left alone
+    assert not any(m._forward_hooks or m._backward_hooks for m in model.modules())   # hooks removed
 
 
 def test_backward_drift_is_located():
