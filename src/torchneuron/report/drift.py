@@ -1,8 +1,8 @@
 """Drift localisation: which module, then which ATen op inside it, first leaves CPU's tolerance.
 
 ``locate_drift(model, inputs)`` runs the model on a CPU copy (the oracle) and on neuron with
-forward hooks (and, for ``backward=True``, hooks on the module outputs' gradients), compares each
-module's output in execution order, and re-runs the first drifting module op by op under a
+forward hooks (and, for ``backward=True``, full backward hooks and the parameters' gradients),
+compares each module's output in execution order (then its gradients in backward order), and re-runs the first drifting module op by op under a
 ``TorchDispatchMode`` on both sides, fed the CPU side's inputs to that module so upstream drift
 does not pollute the bisection. Nothing is installed unless it is called.
 """
@@ -42,7 +42,7 @@ class ModuleDrift:
     name: str          # qualified name in the model ("" is the model itself)
     type: str
     call: int          # which call of this module (shared modules run more than once)
-    phase: str         # "forward" or "backward" (the gradient of the module's output)
+    phase: str         # "forward", or "backward (input gradient)" / "(output gradient)" / "(gradient of weight)"
     output: int        # index of the drifting tensor among the module's flattened outputs
     difference: Difference
 
@@ -223,6 +223,7 @@ class _Run:
         self.outputs: dict = {}
         self.backward: dict = {}         # (name, backward call) -> (grad_output, grad_input)
         self.backward_order: list = []
+        self.param_grads: dict = {}      # parameter name -> gradient of the loss
         self._counts: dict = {}
         self._backward_counts: dict = {}
         self._handles = []
@@ -259,7 +260,6 @@ class _Run:
 
 def _run(model, inputs, keep_inputs, backward, loss_fn):
     run = _Run(model, keep_inputs, backward)
-    run.param_grads = {}
     try:
         args, kwargs = inputs
         with torch.set_grad_enabled(backward):
