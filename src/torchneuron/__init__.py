@@ -93,6 +93,13 @@ def warmup(fn, example_inputs, buckets, *, dim: int = 1, grad: bool = False) -> 
     return shape_warmup.warmup(fn, example_inputs, buckets, dim=dim, grad=grad)
 
 
+def locate_drift(model, inputs, baseline: str = "cpu", **options):
+    """Name the first module, and the first ATen op inside it, whose neuron result drifts from CPU
+    beyond ``rtol``/``atol``: see ``torchneuron/report/drift.py``."""
+    from .report import drift  # not at the top: only debugging sessions call it
+    return drift.locate_drift(model, inputs, baseline, **options)
+
+
 def set_eager_mode(mode: str) -> None:
     """Switch eager execution between ``"plain"`` (one executable per op) and ``"adaptive"``."""
     from .eager import adaptive  # not at the top: see there
@@ -141,4 +148,4 @@ def __getattr__(name):
 
 register()
 
-__all__ = ["config", "metrics", "register", "kernel", "transfer_cuda", "step", "track", "check", "__version__"]
+__all__ = ["config", "metrics", "register", "kernel", "transfer_cuda", "locate_drift", "step", "track", "check", "__version__"]
