@@ -321,7 +321,7 @@ def _preflight(interp, env) -> None:
 
 
 def doctor_command(argv: list[str]) -> int:
-    from .report import doctor
+    from .report import doctor  # loaded only for this command (it imports the runtime)
     p = argparse.ArgumentParser(prog="torchneuron doctor",
                                 description="Preflight: versions, platform, the device of this torchrun rank, a "
                                             "collective across ranks, the cache folder, fork safety, settings.")

@@ -54,7 +54,7 @@ def check_platform(info: dict) -> dict:
 def rank_device(environ, device_count: int, setting: str, platform: str) -> dict:
     """The neuron device this process would use under torchrun (LOCAL_RANK), as config.visible_device
     maps it (runtime/startup.py): a restricted process sees only its rank's device, as neuron:0."""
-    from ..runtime.startup import visible_device
+    from ..runtime.startup import visible_device  # loaded only when the check runs
     try:
         local_rank, rank, world = (_int_env(environ, v) for v in ("LOCAL_RANK", "RANK", "WORLD_SIZE"))
     except ValueError as err:
@@ -127,7 +127,7 @@ def collective(device: str, rank: int, world_size: int, timeout: float, environ=
 
 def check_cache(directory: str) -> dict:
     """The cache folder exists or can be created, takes a file, and holds how many entries."""
-    from .. import cache_tools
+    from .. import cache_tools  # loaded with the check: the CLI imports this module for every command
     if not directory:
         return _result("cache folder", WARN, "the persistent compile cache is off (TORCHNEURON_CACHE_DIR is empty): "
                        "every process compiles everything", "set TORCHNEURON_CACHE_DIR to a writable folder")
@@ -179,7 +179,7 @@ def check_multiprocessing(runtime_started: bool) -> dict:
 def check_settings(info: dict, environ=os.environ) -> dict:
     import dataclasses
 
-    from ..config import Config
+    from ..config import Config  # not at the top: importing config reads the environment
     known = {f"TORCHNEURON_{f.name.upper()}" for f in dataclasses.fields(Config)} | _OTHER_VARIABLES
     variables = {k: v for k, v in sorted(environ.items()) if k.startswith("TORCHNEURON_")}
     settings = info["settings"]
@@ -199,10 +199,11 @@ def check_settings(info: dict, environ=os.environ) -> dict:
 
 def run_checks(cache_dir: str | None = None, timeout: float = 30.0, environ=os.environ) -> list[dict]:
     """Every check, in CHECKS order. Starts the neuron runtime (the platform check needs it)."""
+    # Not at the top: the runtime modules start nothing until a check asks for them.
     from ..config import config
-    from ..runtime.fork import _runtime_started
+    from ..runtime.fork import runtime_started
     from .env import manifest
-    started_before = _runtime_started()   # before this check starts it
+    started_before = runtime_started()   # before this check starts it
     info = manifest()
     results = [check_versions(info), check_platform(info)]
     device = rank_device(environ, info["device_count"], config.visible_device, info["pjrt_platform"])

@@ -49,7 +49,7 @@ def _refusal(what):
     return refuse
 
 
-def _runtime_started() -> bool:
+def runtime_started() -> bool:
     try:
         from jax._src import xla_bridge
         return bool(xla_bridge.backends_are_initialized())
@@ -70,7 +70,7 @@ def _keep_alive() -> None:
 
 def _after_fork_in_child() -> None:
     global _bad
-    if _bad or not _runtime_started():
+    if _bad or not runtime_started():
         return
     _bad = True
     try:
