@@ -39,7 +39,7 @@ _AUTO = {"cpu_intra_op_threads"}
 # Real-valued settings and their smallest value.
 _FLOAT_MINIMUM = {"adaptive_compile_budget": 0.0}
 # Settings that are on or off.
-_BOOL_FIELDS = {"cpu_async_dispatch", "adaptive_overlap"}
+_BOOL_FIELDS = {"cpu_async_dispatch", "adaptive_overlap", "adaptive_verify_fusion"}
 # Choices compared without case or surrounding blanks.
 _NORMALISED = set(_CHOICES) | {"platform", "visible_device"}
 # Settings that are on, off or "auto" (left to the PJRT plugin's own default).
@@ -108,6 +108,10 @@ class Config:
     # Run a region's fused executable on a worker thread while the program records the next region
     # (its results are taken at the next cut or host read); False runs it at the cut.
     adaptive_overlap: bool = False
+    # When a region's fused executable is compiled, also run its ops one by one on the same inputs
+    # and compare; a fused group that differs is bisected to the smallest differing group of ops,
+    # which then runs op by op (docs/adaptive.md). Costs one op-by-op run per compile.
+    adaptive_verify_fusion: bool = False
     # torch.compile: an op without a lowering fails the compile, or the graph runs eagerly.
     compile_fallback: str = "error"
     # PyTorch's checks that depend on tensor values (index bounds, integer division by zero): read

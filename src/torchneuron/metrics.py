@@ -60,6 +60,8 @@ class _Registry:
         self.region_compile_seconds = 0.0
         self.region_unfused = Counter()    # reason -> region segments run op by op
         self.region_splits = 0             # regions too long for one fused executable
+        # Groups of ops isolated from fusion (eager/adaptive/isolate.py): ops, call sites, reason
+        self.fusion_isolated = []
         self.flush_reasons = Counter()     # where regions were cut
         # distributed
         self.collectives = Counter()

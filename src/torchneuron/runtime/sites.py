@@ -102,6 +102,11 @@ def place(frame):
     return None if found is None else (found.f_code, found.f_lineno)
 
 
+def describe_place(where) -> dict | None:
+    """The site dict (as :func:`user_site`) of a :func:`place`, or None."""
+    return None if where is None else _site(*where)
+
+
 def format_place(where) -> str:
     """"file:line in function: code" of a :func:`place`."""
     if where is None:

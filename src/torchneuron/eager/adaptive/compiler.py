@@ -15,7 +15,7 @@ from ...config import config
 from ...metrics import metrics
 from ...runtime import executable_store
 from ..plan import sharding
-from . import plans
+from . import isolate, plans
 
 
 def _trace_op(exe, bufs, runtime):
@@ -106,6 +106,12 @@ class CompileBudget:
             self.scale = 0.7 * self.scale + 0.3 * ratio if self.measured else ratio
             self.measured = True
 
+    def charge(self, seconds: float):
+        """Work that is not one region's compile (a bisection's probes): its time, not a model's."""
+        if config.adaptive_compile_budget < 1:
+            with self.lock:
+                self.tokens -= seconds
+
 
 budget = CompileBudget()
 _jobs: queue.Queue = queue.Queue()
@@ -115,15 +121,18 @@ _worker = None
 _closing = False
 
 
-def submit(seg, device, sample):
+def submit(plan, seg, device, sample, failure=None):
+    """Queue the compile of ``plan``'s segment ``seg`` on the inputs ``sample`` (its buffers, then its
+    runtime inputs); with ``failure`` (reason, error text), the bisection of a segment whose fused
+    executable failed when it ran."""
     global _pending, _worker
-    seg.state = "compiling"
+    seg.state = "compiling" if failure is None else "bisecting"
     with _idle:
         _pending += 1
         if _worker is None:
             _worker = threading.Thread(target=_compile_loop, name="torchneuron-region-compiler", daemon=True)
             _worker.start()
-    _jobs.put((seg, device, sample))
+    _jobs.put((plan, seg, device, sample, failure))
 
 
 def _compile_loop():
@@ -132,37 +141,71 @@ def _compile_loop():
         # Linux threads have their own nice value: the user's thread keeps the CPU first.
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)
     while True:
-        seg, device, sample = _jobs.get()
+        job = _jobs.get()
         if not _closing:
-            _compile(seg, device, sample)
+            _compile(*job)
         with _idle:
             _pending -= 1
             _idle.notify_all()
 
 
-def _compile(seg, device, sample):
+def _compile(plan, seg, device, sample, failure):
     start = time.perf_counter()
+    verify = config.adaptive_verify_fusion
+    if failure is None:
+        try:
+            fn = _fused(seg, device)
+            # Calling it (not lower().compile()) fills jit's C++ dispatch cache with the signature
+            # the user's thread will call it with; the run itself is a pure function's, its result
+            # unused (but compared with the ops run one by one when verifying).
+            results = fn(*sample)
+            if verify:
+                diff = isolate.difference(seg, results, isolate.Reference(seg, sample))
+                if diff is not None:
+                    failure = ("differs", diff)
+        except Exception as err:   # bisected below; the region runs op by op meanwhile
+            failure = ("compile failed", f"{type(err).__name__}: {err}".splitlines()[0][:500])
+        else:
+            if failure is None:
+                _ready(seg, fn)
+        seconds = time.perf_counter() - start
+        metrics.region_compile_seconds += seconds
+        budget.settle(len(seg.ops), seconds)
+        if failure is None:
+            return
+    seg.error = failure[1]
     try:
-        fn = _fused(seg, device)
-        # Calling it (not lower().compile()) fills jit's C++ dispatch cache with the signature the
-        # user's thread will call it with; the run itself is a pure function's, its result unused.
-        fn(*sample)
-    except Exception as err:   # the region keeps running op by op; the reason is counted
-        seg.error = f"{type(err).__name__}: {err}"
-        seg.state = "compile failed"
-    else:
-        seg.fn = fn
-        seg.state = "ready"
-        metrics.region_compiles += 1
-        # Custom kernels (torchneuron.kernel) are named with their namespace, ATen ops not.
-        metrics.custom_kernel_compiles.update({exe.name for exe, *_ in seg.ops if "::" in exe.name})
-        if executable_store.logging_lookups():
-            executable_store.log("compiled", "regions", f"adaptive-eager region of {len(seg.ops)} ops",
-                                 "fused regions are compiled in the background and never kept on disk",
-                                 cacheable=False)
-    seconds = time.perf_counter() - start
+        seconds = isolate.bisect(plan, seg, device, sample, failure, _fused, verify or failure[0] == "differs")
+    except Exception as err:   # the ops fail one by one too: the segment stays op by op
+        seg.state, seg.error = failure[0], f"{failure[1]}; bisecting it failed: {type(err).__name__}: {err}"
+        return
     metrics.region_compile_seconds += seconds
-    budget.settle(len(seg.ops), seconds)
+    budget.charge(seconds)
+
+
+def _ready(seg, fn):
+    seg.fn = fn
+    seg.state = "ready"
+    metrics.region_compiles += 1
+    # Custom kernels (torchneuron.kernel) are named with their namespace, ATen ops not.
+    metrics.custom_kernel_compiles.update({exe.name for exe, *_ in seg.ops if "::" in exe.name})
+    if executable_store.logging_lookups():
+        executable_store.log("compiled", "regions", f"adaptive-eager region of {len(seg.ops)} ops",
+                             "fused regions are compiled in the background and never kept on disk",
+                             cacheable=False)
+
+
+def run_failed(plan, seg, sample, err) -> None:
+    """The fused executable of ``seg`` raised when it ran (its ops then ran one by one on the
+    user's thread, and gave results): it runs op by op from now on, bisected in the background to
+    fuse what runs; after a third failure it is not bisected again."""
+    seg.fn = None
+    seg.failures += 1
+    text = f"{type(err).__name__}: {err}".splitlines()[0][:500]
+    if seg.failures > 2:
+        seg.state, seg.error = "run failed", text
+        return
+    submit(plan, seg, plan.device, sample, ("run failed", text))
 
 
 def wait_for_compiles(timeout: float | None = None) -> bool:

@@ -18,7 +18,7 @@ class Segment:
     """Consecutive ops of a plan compiled as one fused executable."""
 
     __slots__ = ("ops", "start", "in_sids", "out_sids", "rt_start", "rt_stop", "carry", "fn", "checked", "state",
-                 "error")
+                 "error", "failures")
 
     def __init__(self, ops, start, in_sids, rt_start, rt_stop):
         self.ops = ops
@@ -31,12 +31,16 @@ class Segment:
         # Positions (in the segment) of the ops whose device-check outcomes ``fn`` returns after
         # the buffers of ``out_sids``, in op order: known once it was traced.
         self.checked = ()
-        self.state = None           # None, "compiling", "ready" or "compile failed"
+        # None, "compiling", "ready", "bisecting" (isolate.py), or why it runs op by op for good:
+        # "compile failed", "run failed", "differs" (its fused result differs from op by op).
+        self.state = None
         self.error = None
+        self.failures = 0           # fused runs that raised (then ran op by op)
 
 
 class Plan:
-    __slots__ = ("ops", "external_sids", "live", "device", "segments", "seen", "next", "checks", "direct")
+    __slots__ = ("ops", "external_sids", "live", "device", "segments", "seen", "next", "checks", "direct",
+                 "unsited")
 
     def __init__(self, structure, device):
         self.ops, self.external_sids, self.live = structure
@@ -47,6 +51,9 @@ class Plan:
         if len(self.segments) > 1:
             metrics.region_splits += 1
         self.checks = [None] * len(self.ops)
+        # Groups of ops isolated from fusion (isolate.py) whose call sites are still to be filled
+        # in from the next occurrence: (their metrics.fusion_isolated entry, plan positions).
+        self.unsited = []
         # The segment whose executable maps the region's inputs to its results, if it is the only one.
         seg = self.segments[0]
         self.direct = seg if len(self.segments) == 1 and seg.in_sids == self.external_sids \
@@ -115,10 +122,18 @@ class OpCheck:
 
 
 def segments_of(ops, live, size):
+    return split(ops, live, [(start, min(start + size, len(ops))) for start in range(0, len(ops), size)])
+
+
+def split(ops, live, bounds, start=0, rt=0):
+    """Segments of ``ops`` cut at ``bounds`` (consecutive (first, stop) positions covering them),
+    with the storages each reads, produces for later and carries, given the storages ``live``
+    after the last. ``start`` and ``rt`` place ``ops`` in their plan (its first op's position and
+    runtime input); a segment's storage sets depend only on its own bounds, not on how the other
+    ops are cut."""
     segments = []
-    rt = 0
-    for start in range(0, len(ops), size):
-        chunk = ops[start:start + size]
+    for first, stop in bounds:
+        chunk = ops[first:stop]
         produced, reads = set(), {}
         n = 0
         for exe, input_sids, out_sids, n_runtime in chunk:
@@ -128,7 +143,7 @@ def segments_of(ops, live, size):
             produced.update(sid for sid in out_sids if sid is not None)
             produced.update(input_sids[slot] for slot in exe.writes)
             n += n_runtime
-        seg = Segment(chunk, start, tuple(reads), rt, rt + n)
+        seg = Segment(chunk, start + first, tuple(reads), rt, rt + n)
         seg.carry = produced            # replaced below: what is needed after it
         segments.append(seg)
         rt += n

@@ -17,7 +17,7 @@ from ...runtime.dtypes import jax_dtype
 from ...runtime.inputs import match_view, views
 from ...runtime.values import offset_array, scalar_array
 from .. import kernel, key
-from . import plans
+from . import isolate, plans
 from . import run as runs
 from .plans import LIST, SCALAR_LIST, VIEW, VIEW_LIST
 
@@ -418,8 +418,10 @@ class Region:
                 h = runs.InFlight([records[addr_of[sid]] for sid in live], {addr_of[sid]: i for i, sid in enumerate(live)})
                 if direct.checked:
                     h.checks = (ops, op_sites, direct.checked)
-                self.inflight = runs.overlap(direct.fn, external, runtime, h)
+                self.inflight = runs.overlap(plan, direct, direct.fn, external, runtime, h)
                 self._advance(plan, ops)
+                if plan.unsited:
+                    isolate.name_sites(plan, op_sites)
                 return
             try:
                 results = runs.run_region(plan, external, runtime, outcomes)
@@ -437,6 +439,8 @@ class Region:
                 if rec is not None:
                     rec.buf = buf
             self._advance(plan, ops)
+            if plan.unsited:   # groups isolated from fusion: their call sites, and a warning
+                isolate.name_sites(plan, op_sites)
             # The outcomes of the ops' device checks, in op order (a "sync" error raises here, once
             # the region's results are in place).
             for n, outcome in outcomes:

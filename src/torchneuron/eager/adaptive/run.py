@@ -21,18 +21,19 @@ def run_region(plan, external, runtime, outcomes):
     fn = direct.fn if direct is not None else None
     if fn is not None:   # one fused executable taking the region's inputs, returning its results
         metrics.region_cache_hits += 1
-        results = fn(*external, *runtime)
+        results = run_fused(plan, direct, fn, external, runtime)
         if direct.checked:
             outcomes.extend(zip(direct.checked, results[len(plan.live):]))
         return results
     current = dict(zip(plan.external_sids, external))
-    split = len(plan.segments) > 1
-    for seg in plan.segments:
+    segments = plan.segments   # read once: the compiler thread may replace the list (isolate.py)
+    split = len(segments) > 1
+    for seg in segments:
         rt = runtime[seg.rt_start:seg.rt_stop]
         fn = seg.fn
         if fn is not None:
             metrics.region_cache_hits += 1
-            results = fn(*[current[sid] for sid in seg.in_sids], *rt)
+            results = run_fused(plan, seg, fn, [current[sid] for sid in seg.in_sids], rt)
             current.update(zip(seg.out_sids, results))
             if seg.checked:
                 start = seg.start
@@ -49,7 +50,7 @@ def run_region(plan, external, runtime, outcomes):
                     reason = "waiting for compile budget"
                 else:
                     reason = "compiling"
-                    compiler.submit(seg, plan.device, [current[sid] for sid in seg.in_sids] + list(rt))
+                    compiler.submit(plan, seg, plan.device, [current[sid] for sid in seg.in_sids] + list(rt))
             metrics.region_unfused[reason] += 1
             found = plans.interpret(seg.ops, current, rt, run_op)
             if found:
@@ -58,6 +59,19 @@ def run_region(plan, external, runtime, outcomes):
         if split:
             current = {sid: current[sid] for sid in seg.carry}
     return [current[sid] for sid in plan.live]
+
+
+def run_fused(plan, seg, fn, inputs, runtime):
+    """``fn`` (the fused executable of ``seg``) on ``inputs``: its buffers of ``seg.out_sids``, then
+    its checked ops' outcomes. If it raises, the ops run one by one instead (an error of theirs is
+    the program's, raised as plain eager raises it), and the segment is bisected to fuse what runs."""
+    try:
+        return fn(*inputs, *runtime)
+    except Exception as err:   # noqa: BLE001 - judged by running the same ops one by one
+        current = dict(zip(seg.in_sids, inputs))
+        found = plans.interpret(seg.ops, current, runtime, run_op)
+        compiler.run_failed(plan, seg, [*inputs, *runtime], err)
+        return tuple(current[sid] for sid in seg.out_sids) + tuple(outcome for _, outcome in found)
 
 
 def run_op(exe, bufs, runtime):
@@ -112,26 +126,27 @@ _runs: queue.SimpleQueue = queue.SimpleQueue()
 _runner = None
 
 
-def overlap(fn, external, runtime, h):
+def overlap(plan, seg, fn, external, runtime, h):
+    """Run ``fn``, the fused executable of ``plan``'s only segment ``seg``, on the worker thread."""
     global _runner
     if _runner is None:
         _runner = threading.Thread(target=_run_loop, name="torchneuron-region-runner", daemon=True)
         _runner.start()
-    _runs.put((fn, external, runtime, h))
+    _runs.put((plan, seg, fn, external, runtime, h))
     return h
 
 
 def _run_loop():
     while True:
-        fn, external, runtime, h = _runs.get()
+        plan, seg, fn, external, runtime, h = _runs.get()
         try:
-            h.results = fn(*external, *runtime)   # XLA runs it without the GIL
+            h.results = run_fused(plan, seg, fn, external, runtime)   # XLA runs it without the GIL
         except BaseException as err:   # raised in the user's thread when the run is joined
             h.error = err
         # Dropped before the joiner wakes, not kept while waiting for the next run: the inputs'
         # buffers (a step's old parameters and moments) go as soon as their storages have newer
         # ones, and a joined run holds none of them.
-        fn = external = runtime = None
+        plan = seg = fn = external = runtime = None
         latch, h = h.latch, None
         latch.release()
 
