@@ -93,6 +93,7 @@ def test_a_fused_group_that_differs_from_its_ops_one_by_one_is_isolated(monkeypa
     assert len(said) == 1 and "mul.Tensor" in said[0] and "test_adaptive_isolate.py" in said[0]
     assert m("region_unfused")["differs"] >= 2    # the isolated op keeps running alone...
     assert m("region_cache_hits") >= 4            # ...between the two fused groups
+    assert "isolated from fusion : 1 group(s): mul.Tensor (differs)" in torchneuron.metrics.summary()
 
 
 @pytest.mark.usefixtures("adaptive")

@@ -110,6 +110,10 @@ class _Registry:
                          f"{s['region_replayed_ops']} replayed), {s['region_cache_hits']} fused runs, "
                          f"{s['region_compiles']} compiled ({s['region_compile_seconds']:.2f} s)"
                          + (f"; op by op: {unfused}" if unfused else ""))
+        if s["fusion_isolated"]:
+            groups = "; ".join(f"{', '.join(e['ops'][:4])}{', ...' if len(e['ops']) > 4 else ''} ({e['reason']})"
+                               for e in s["fusion_isolated"][:4])
+            lines.append(f"isolated from fusion : {len(s['fusion_isolated'])} group(s): {groups}")
         if s["graphs_compiled"] or s["graph_breaks"] or s["recompiles"]:
             lines.append(f"compiled graphs      : {s['graphs_compiled']}, graph breaks "
                          f"{sum(s['graph_breaks'].values())}, recompiles {sum(s['recompiles'].values())}")
