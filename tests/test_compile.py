@@ -511,3 +511,30 @@ def test_as_strided_of_a_view_input_indexes_the_whole_storage(offset):
     nbase = base.to("neuron")
     got = torch.compile(f, backend="neuron", fullgraph=True)(nbase[1:, 2:])
     torch.testing.assert_close(got.cpu(), expected)
+
+
+_OTHER_BACKENDS = """
+import torch, torchneuron
+from torchneuron.report import drift   # a torchneuron module loaded after registration
+def f(x, y):
+    z = x @ y + 1
+    if z.sum() > 0:   # a graph break: Dynamo runs the code between graphs eagerly, frame by frame
+        z = z * 2
+    return z.relu().mean()
+x, y = torch.randn(4, 4), torch.randn(4, 4)
+for backend in ("eager", "aot_eager"):
+    torch._dynamo.reset()
+    got = torch.compile(f, backend=backend)(x.to("neuron"), y.to("neuron")).cpu()
+    assert torch.equal(got, f(x, y)), (backend, got, f(x, y))
+    model = torch.nn.Linear(4, 2).to("neuron")
+    assert drift.locate_drift(model, (x.to("neuron"),)) is not None
+print("ok")
+"""
+
+
+def test_other_backends_never_trace_torchneuron_frames():
+    # In a fresh process the neuron backend never ran: torchneuron's frames are skipped from
+    # registration on (Dynamo tracing into them failed with "Expected np.nditer base").
+    proc = subprocess.run([sys.executable, "-c", _OTHER_BACKENDS], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["ok"], proc.stdout

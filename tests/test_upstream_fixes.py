@@ -389,6 +389,43 @@ def test_neg_and_conj_views_read_like_cpu(view, read):
     torch.testing.assert_close(got.cpu().resolve_conj().resolve_neg(), expected.resolve_conj().resolve_neg())
 
 
+# The out= forms of the products read their inputs' lazy bits too: torch.mm(a.conj(), b, out=o)
+# wrote a @ b. vdot did not conjugate its first argument at all (it was lowered as dot): the
+# OpInfo sweep's samples are real.
+_OUT_PRODUCTS = {
+    "mm": lambda a, b, c, o: torch.mm(a, b, out=o),
+    "matmul": lambda a, b, c, o: torch.matmul(a, b, out=o),
+    "addmm": lambda a, b, c, o: torch.addmm(c, a, b, out=o),
+    "bmm": lambda a, b, c, o: torch.bmm(a[None], b[None], out=o[None]),
+    "baddbmm": lambda a, b, c, o: torch.baddbmm(c[None], a[None], b[None], out=o[None]),
+    "dot": lambda a, b, c, o: torch.dot(a[0], b[0], out=o[0, 0]),
+    "vdot": lambda a, b, c, o: torch.vdot(a[0], b[0], out=o[0, 0]),
+}
+
+
+@pytest.mark.parametrize("view", ["conj", "neg", "neg-conj"])
+@pytest.mark.parametrize("op", list(_OUT_PRODUCTS))
+def test_out_products_read_lazy_conj_and_neg_like_cpu(op, view):
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(3, 3, dtype=torch.complex64, generator=g) for _ in range(3))
+
+    def run(device):
+        o = torch.zeros(3, 3, dtype=torch.complex64, device=device)
+        make = _MATH_VIEWS[view]
+        _OUT_PRODUCTS[op](make(a.to(device)), b.to(device), make(c.to(device)), o)
+        return o.cpu()
+
+    torch.testing.assert_close(run("neuron"), run("cpu"))
+
+
+def test_vdot_conjugates_its_first_argument_like_cpu():
+    a = torch.tensor([1 + 2j, 3 - 1j, -0.5j], dtype=torch.complex64)
+    b = torch.tensor([2 - 1j, 0.5 + 1j, 4 + 0j], dtype=torch.complex64)
+    torch.testing.assert_close(torch.vdot(a.to("neuron"), b.to("neuron")).cpu(), torch.vdot(a, b))
+    graph = torch.compile(torch.vdot, backend="neuron")
+    torch.testing.assert_close(graph(a.to("neuron"), b.to("neuron")).cpu(), torch.vdot(a, b))
+
+
 # TestCompositeCompliance.test_cow_input_*: torch._lazy_clone raised ATen's "Expected storage !=
 # nullptr" for any neuron tensor (copy-on-write cannot share a DLPack storage); it now copies.
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "offset-view"])

@@ -29,7 +29,7 @@ def register() -> None:
     from . import distributed, integrations, profiler
     from .config import observe
     from .eager import adaptive, registration
-    from .runtime import autocast, guard, modules, pinned, printing, rng, serialization
+    from .runtime import autocast, dynamo_skip, guard, modules, pinned, printing, rng, serialization
     from .runtime import device as device_module
 
     class _Hooks(torch._C._acc.PrivateUse1Hooks):
@@ -69,6 +69,7 @@ def register() -> None:
     pinned.install()           # Tensor.pin_memory() with neuron as the accelerator
     profiler.install_hooks()   # neuron ranges in torch.profiler traces
     integrations.install()     # transformers/accelerate device probes, DataLoader pinning
+    dynamo_skip.install()      # Dynamo never traces torchneuron's frames, whatever the backend
     _registered = True
     if config.cuda:            # TORCHNEURON_CUDA=neuron: CUDA scripts run unchanged on neuron
         transfer_cuda(config.cuda)

@@ -1,9 +1,7 @@
 """What the neuron backend needs from Dynamo besides graphs.
 
-* torchneuron's own Python (eager kernels called by the dispatcher, storage-lifetime callbacks, device
-  hooks) must never be traced: between compiled graphs Dynamo's frame hook sees every Python frame,
-  including kernels that ops run on neuron tensors call into. Their code objects are marked "skip,
-  recursively", which costs nothing at call time.
+* torchneuron's own Python must never be traced (``runtime/dynamo_skip.py``, installed at
+  registration); modules loaded since are marked again here.
 * Graph breaks and recompiles of graphs compiled for neuron are counted in ``torchneuron.metrics()``
   (``graph_breaks``, ``recompiles``), keyed by their reason.
 """
@@ -13,60 +11,9 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
-import types
-
-from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
 from ..metrics import metrics
-
-# User-facing helpers Dynamo should trace into (they are plain torch code).
-_TRACEABLE = frozenset({"torchneuron.compile.shapes"})
-_marked: set[str] = set()
-
-
-def _code_objects(module):
-    seen = set()
-
-    def walk(code):
-        if code in seen:
-            return
-        seen.add(code)
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                walk(const)
-
-    def visit(obj, depth=0):
-        obj = getattr(obj, "__func__", obj)
-        if isinstance(obj, property):
-            for f in (obj.fget, obj.fset, obj.fdel):
-                if f is not None:
-                    visit(f, depth)
-            return
-        code = getattr(obj, "__code__", None)
-        if isinstance(code, types.CodeType):
-            walk(code)
-        elif isinstance(obj, type) and depth < 2:
-            for v in vars(obj).values():
-                visit(v, depth + 1)
-
-    for value in list(vars(module).values()):
-        # Only what the module defines itself (not what it imported).
-        if getattr(value, "__module__", None) == module.__name__:
-            visit(value)
-    return seen
-
-
-def skip_own_frames() -> None:
-    """Mark every loaded torchneuron module's code "skip recursively" for Dynamo's frame hook."""
-    strategy = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
-    for name, module in list(sys.modules.items()):
-        if module is None or name in _marked or name in _TRACEABLE:
-            continue
-        if name != "torchneuron" and not name.startswith("torchneuron."):
-            continue
-        _marked.add(name)
-        for code in _code_objects(module):
-            set_code_exec_strategy(code, strategy)
+from ..runtime.dynamo_skip import skip_own_frames
 
 
 def _reason(message: str) -> str:

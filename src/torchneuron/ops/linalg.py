@@ -36,9 +36,14 @@ def mv(self, vec):
     return _mm(self, vec)
 
 
-@lowering("dot.default", "vdot.default", promote="common", promote_args=("self", "other"))
+@lowering("dot.default", promote="common", promote_args=("self", "other"))
 def dot(self, other):
     return jnp.dot(self, other, precision=_PRECISION)
+
+
+@lowering("vdot.default", promote="common", promote_args=("self", "other"))
+def vdot(self, other):
+    return jnp.dot(jnp.conj(self), other, precision=_PRECISION)   # conj(self) . other, as ATen
 
 
 def _mm_acc(a, b):

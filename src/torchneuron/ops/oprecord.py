@@ -137,6 +137,14 @@ EAGER: dict[str, EagerPolicy] = {
     "baddbmm.default": EagerPolicy(math_bits=(0, 1, 2)),
     "baddbmm_.default": EagerPolicy(math_bits=(0, 1, 2)),
     "linalg_solve_triangular.default": EagerPolicy(math_bits=(0, 1)),
+    # Their out= forms read the same inputs (a conj view into torch.mm(..., out=) was read unconjugated).
+    "mm.out": EagerPolicy(math_bits=(0, 1)),
+    "bmm.out": EagerPolicy(math_bits=(0, 1)),
+    "dot.out": EagerPolicy(math_bits=(0, 1)),
+    "vdot.out": EagerPolicy(math_bits=(0, 1)),
+    "addmm.out": EagerPolicy(math_bits=(0, 1, 2)),
+    "baddbmm.out": EagerPolicy(math_bits=(0, 1, 2)),
+    "linalg_solve_triangular.out": EagerPolicy(math_bits=(0, 1)),
 }
 
 # -- torch.compile graph nodes ----------------------------------------------------------------------
