@@ -126,25 +126,17 @@ EAGER: dict[str, EagerPolicy] = {
     "linalg_lu_factor_ex.out": EagerPolicy(checked_errors=("torch.linalg.lu_factor_ex", 2)),
     "_linalg_solve_ex.default": EagerPolicy(checked_errors=("torch.linalg.solve_ex", 3)),
     "_linalg_solve_ex.result": EagerPolicy(checked_errors=("torch.linalg.solve_ex", 3)),
-    # Lazy conj/neg bits resolved first (checking them costs ~1 us per tensor, so only these pay).
+    # Lazy conj/neg bits resolved first (checking them costs ~1 us per tensor, so only these pay);
+    # the products' in-place and out= forms read the same inputs (a conj view into
+    # torch.mm(..., out=) was read unconjugated).
     "clone.default": EagerPolicy(math_bits=(0,)),
-    "mm.default": EagerPolicy(math_bits=(0, 1)),
-    "bmm.default": EagerPolicy(math_bits=(0, 1)),
-    "dot.default": EagerPolicy(math_bits=(0, 1)),
-    "vdot.default": EagerPolicy(math_bits=(0, 1)),
-    "addmm.default": EagerPolicy(math_bits=(0, 1, 2)),
-    "addmm_.default": EagerPolicy(math_bits=(0, 1, 2)),
-    "baddbmm.default": EagerPolicy(math_bits=(0, 1, 2)),
-    "baddbmm_.default": EagerPolicy(math_bits=(0, 1, 2)),
-    "linalg_solve_triangular.default": EagerPolicy(math_bits=(0, 1)),
-    # Their out= forms read the same inputs (a conj view into torch.mm(..., out=) was read unconjugated).
-    "mm.out": EagerPolicy(math_bits=(0, 1)),
-    "bmm.out": EagerPolicy(math_bits=(0, 1)),
-    "dot.out": EagerPolicy(math_bits=(0, 1)),
-    "vdot.out": EagerPolicy(math_bits=(0, 1)),
-    "addmm.out": EagerPolicy(math_bits=(0, 1, 2)),
-    "baddbmm.out": EagerPolicy(math_bits=(0, 1, 2)),
-    "linalg_solve_triangular.out": EagerPolicy(math_bits=(0, 1)),
+    **{f"{op}{form}": EagerPolicy(math_bits=inputs)
+       for op, inputs, forms in (("mm", (0, 1), (".default", ".out")), ("bmm", (0, 1), (".default", ".out")),
+                                 ("dot", (0, 1), (".default", ".out")), ("vdot", (0, 1), (".default", ".out")),
+                                 ("addmm", (0, 1, 2), (".default", "_.default", ".out")),
+                                 ("baddbmm", (0, 1, 2), (".default", "_.default", ".out")),
+                                 ("linalg_solve_triangular", (0, 1), (".default", ".out")))
+       for form in forms},
 }
 
 # -- torch.compile graph nodes ----------------------------------------------------------------------
