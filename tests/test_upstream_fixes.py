@@ -996,3 +996,16 @@ def test_put_alerts_under_deterministic_algorithms_like_cpu(op):
         op(a, torch.tensor([0, 0], device="neuron"), torch.tensor([1.0, 2.0], device="neuron"), accumulate=True)
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+# _native_batch_norm_legit.no_stats in eval mode has no running stats to use: CPU's kernel
+# segfaults, and the CPU replay that judges refused calls crashed the process with it. The meta
+# kernel's reason is the error now; training mode (batch statistics) matches CPU.
+def test_batch_norm_without_stats_in_eval_mode_is_an_error_not_a_crash():
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
+    op = torch.ops.aten._native_batch_norm_legit.no_stats
+    with pytest.raises(RuntimeError, match="running_mean and running_var must not be None in eval mode"):
+        op(x.to("neuron"), torch.ones(3, device="neuron"), None, False, 0.1, 1e-5)
+    got = op(x.to("neuron"), None, None, True, 0.1, 1e-5)
+    for g, e in zip(got, op(x, None, None, True, 0.1, 1e-5)):
+        torch.testing.assert_close(g.cpu(), e)
