@@ -100,3 +100,27 @@ def test_clean_model_has_no_drift_finding_and_the_run_is_unchanged(tmp_path):
     for key in ("op_calls", "h2d_copies", "d2h_copies", "fallbacks"):
         assert report["runs"]["neuron"]["metrics"][key] == plain["runs"]["neuron"]["metrics"][key], key
     assert [s["ops"] for s in report["runs"]["neuron"]["steps"]] == [s["ops"] for s in plain["runs"]["neuron"]["steps"]]
+
+
+def test_drift_data_with_nonfinite_values_failures_and_no_model_renders():
+    from torchneuron.report import analyze, render
+
+    base = analyze.empty_run("neuron", "x")
+    base["status"] = {"outcome": "completed"}
+    diff = {"max_abs": "inf", "max_rel": "inf", "note": "", "elements": [{"index": [0, 1], "cpu": 1.5, "neuron": "nan"}]}
+    located = {"captured": {"type": "Net", "site": None}, "error": None, "drift": True, "rtol": 1e-3, "atol": 1e-5,
+               "modules_compared": 2, "ops_compared": 3, "note": "", "text": "Drift ...",
+               "module": {"name": "", "type": "Net", "call": 0, "phase": "forward", "output": 0, "difference": diff},
+               "op": None}
+    cases = [(located, "drift_located", "cpu 1.5, neuron nan"),
+             ({"captured": {"type": "Net", "site": None}, "error": "RuntimeError: different modules"},
+              "drift_not_located", "different modules"),
+             ({"captured": None, "error": None, "note": "no module with all its parameters on neuron was called"},
+              "drift_not_located", "no module with all its parameters")]
+    for data, kind, text in cases:
+        report = analyze.build(dict(base, drift=data, steps=[]))
+        found = [f for f in report["findings"] if f["kind"] == kind]
+        assert len(found) == 1 and text in found[0]["detail"], report["findings"]
+        md = render.to_markdown(json.loads(render.to_json(report)))
+        assert "## Drift localisation" in md
+        render.to_html(report)

@@ -563,9 +563,14 @@ def _worst(diff: dict) -> str:
     text = f"max abs {num(diff['max_abs']):.3g}, max rel {num(diff['max_rel']):.3g}"
     if els:
         e = els[0]
-        text += f"; worst element [{', '.join(map(str, e['index']))}]: cpu {e['cpu']:.8g}, neuron {e['neuron']:.8g}" \
-            if not isinstance(e["cpu"], str) else f"; worst element: cpu {e['cpu']}, neuron {e['neuron']}"
+        text += (f"; worst element [{', '.join(map(str, e['index']))}]: cpu {_value(e['cpu'])}, "
+                 f"neuron {_value(e['neuron'])}")
     return text
+
+
+def _value(v) -> str:
+    """A drift element's value: a float, or a string (non-finite in strict JSON, or complex)."""
+    return f"{v:.8g}" if isinstance(v, int | float) else str(v)
 
 
 def _drift_findings(d: dict | None) -> list[dict]:

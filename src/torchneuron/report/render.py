@@ -216,7 +216,7 @@ def _compilation(b, report):
     cold_loads = c.get("cold_loads", 0)
     rows = [
         ["Eager executables compiled", str(c["executables_compiled"])
-         + (f" ({loads} more loaded from the persistent cache)" if loads else "")],
+         + (f" ({loads} loaded from the persistent cache instead)" if loads else "")],
         ["Compile time (all)" + (", loads included" if loads else ""), fmt_s(c["compile_seconds"])],
         ["Cold compile (first step)", f"{c['cold_executables']} executables compiled"
          + (f", {cold_loads} loaded" if cold_loads else "") + f", {fmt_s(c['cold_compile_seconds'])}"],
