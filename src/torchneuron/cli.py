@@ -180,6 +180,10 @@ def _parser() -> argparse.ArgumentParser:
                         "(cold vs warm start)")
     p.add_argument("--no-sync", action="store_true",
                    help="do not wait for device work at step marks (latencies then measure dispatch only)")
+    p.add_argument("--locate-drift", action="store_true",
+                   help="after the script ends, find the first module and ATen op of its model (the first "
+                        "module called with all parameters on neuron, on the inputs of that first call) "
+                        "whose neuron result leaves CPU's tolerance (--rtol/--atol)")
     p.add_argument("--title", help="report title")
     p.add_argument("--fail-on", choices=("blocker", "warning", "never"), default="blocker",
                    help="exit with status 1 when the report has problems of this severity (default: blocker)")
@@ -277,12 +281,16 @@ def _check(argv: list[str]) -> int:
         cache_dir = tempfile.mkdtemp(prefix="compile-cache-", dir=folder)
         env["TORCHNEURON_CACHE_DIR"] = cache_dir
     try:
-        run = _run_child("neuron", interp, script_argv, dict(spec), folder, args, env)
+        run = _run_child("neuron", interp, script_argv, dict(spec, locate_drift=args.locate_drift), folder,
+                         args, env)
         warm = None
         if args.warm_start:
             warm = _run_child("warm", interp, script_argv, dict(spec), folder, args, env)
         if args.baseline == "cpu":
             bspec = dict(spec, role="baseline", device_map=compose(device_map, {"neuron": "cpu"}))
+            if run.get("step_source") == "optimizer":
+                # On CPU every optimizer's parameters are on CPU: count the one the neuron run counted.
+                bspec["step_optimizer"] = run.get("step_optimizer")
             baseline = _run_child("baseline", interp, script_argv, bspec, folder, args, env)
             label = "CPU run of the same script"
     finally:

@@ -98,7 +98,14 @@ class Tracer:
     def compile(self, k, compile_fn, args):
         col = self.collector
         if col is not None:   # args: (executable, ...): why it is needed, for per-site counts
-            col.eager_compile(k.short_name, args[0].reason)
+            loads = metrics.eager_cache_loads
+            try:
+                return self._compile(k, compile_fn, args)
+            finally:   # compiled, or loaded from the persistent cache (which counts a load)
+                col.eager_compile(k.short_name, args[0].reason, loaded=metrics.eager_cache_loads > loads)
+        return self._compile(k, compile_fn, args)
+
+    def _compile(self, k, compile_fn, args):
         if not self.timing:
             return compile_fn(k, *args)
         stat = self._stat(k.short_name, "native")

@@ -149,10 +149,15 @@ def compilation(run: dict, warmup: int, warm_run: dict | None) -> dict:
     steady = _steady(run, warmup)
     out = {
         "executables_compiled": m["executables_compiled"],
+        # Eager executables loaded from the persistent cache instead of compiled (a warm cache).
+        "eager_cache_loads": m.get("eager_cache_loads", 0),
+        "cold_loads": steps[0].get("loads", 0) if steps else m.get("eager_cache_loads", 0),
+        "steady_loads": sum(s.get("loads", 0) for s in steady),
         "compile_seconds": m["compile_seconds"],
         "cache_hits": m["cache_hits"],
-        "cache_hit_rate": m["cache_hits"] / (m["cache_hits"] + m["executables_compiled"])
-        if (m["cache_hits"] + m["executables_compiled"]) else None,
+        # Lookups of the in-memory cache: hits, and misses (compiled, or loaded from disk).
+        "cache_hit_rate": m["cache_hits"] / (m["cache_hits"] + m["executables_compiled"] + m.get("eager_cache_loads", 0))
+        if (m["cache_hits"] + m["executables_compiled"] + m.get("eager_cache_loads", 0)) else None,
         "cold_compile_seconds": steps[0]["compile_seconds"] if steps else m["compile_seconds"],
         "cold_executables": steps[0]["compiles"] if steps else m["executables_compiled"],
         "steady_compiles": sum(s["compiles"] for s in steady),
@@ -162,10 +167,14 @@ def compilation(run: dict, warmup: int, warm_run: dict | None) -> dict:
         "recompiles": m.get("recompiles", {}),
         "graph_fallbacks": m.get("graph_fallbacks", {}),
         "persistent_cache": run.get("persistent_cache", {}),
-        # Eager executables needed after the first step, by call site (step numbers count from 0).
-        "compile_sites": [dict(e, steady_steps=sum(1 for s in e["steps"] if s >= warmup))
+        # Eager executables needed after the first step, by call site (step numbers count from 0),
+        # each compiled or loaded from the persistent cache (runs recorded before the split: compiled).
+        "compile_sites": [dict(e, steady_steps=sum(1 for s in e["steps"] if s >= warmup),
+                               compiled=e.get("compiled", e["count"] - e.get("loaded", 0)),
+                               loaded=e.get("loaded", 0))
                           for e in run.get("compile_sites", [])],
         "adaptive": _adaptive(m),
+        "fusion_isolated": run.get("fusion_isolated") or [],
         "warm_start": None,
     }
     if warm_run is not None:
@@ -181,6 +190,33 @@ def compilation(run: dict, warmup: int, warm_run: dict | None) -> dict:
             "status": warm_run.get("status", {}).get("outcome"),
         }
     return out
+
+
+def _loaded_text(entry: dict) -> str:
+    """" (2 compiled, 3 loaded from the persistent cache)" when some were loaded, else ""."""
+    loaded = entry.get("loaded", 0)
+    if not loaded:
+        return ""
+    return f" ({entry['count'] - loaded} compiled, {loaded} loaded from the persistent cache)"
+
+
+def _isolated_finding(e: dict) -> dict:
+    """Adaptive eager found a fused group that failed or differed and runs it op by op from now on."""
+    ops = e.get("ops") or []
+    site = next((s for s in e.get("sites") or [] if s), None)
+    reason = e.get("reason") or "isolated"
+    region = f" (of a region of {e['region_ops']} ops)" if e.get("region_ops") else ""
+    error = (e.get("error") or "").strip().splitlines()
+    detail = (f"A fused group of {len(ops)} op(s){region} {_ISOLATED_WHY.get(reason, reason)}, so it runs op by op "
+              f"from now on: ops {', '.join(ops) or '–'}, at {_site_text(site)}"
+              + (f". {error[0][:300]}" if error else "") + ". The rest of the region stays fused; please report "
+              "the ops (a torchneuron bug).")
+    return _finding("warning", "fusion_isolated", f"A fused group runs op by op ({reason})", detail,
+                    ops=ops, site=site, reason=reason)
+
+
+_ISOLATED_WHY = {"compile failed": "failed to compile", "run failed": "failed to run",
+                 "differs": "gave results that differ from op-by-op execution"}
 
 
 def _reasons(entry: dict) -> str:
@@ -203,7 +239,10 @@ def _adaptive(m: dict) -> dict | None:
 
 
 def _compiled(step: dict) -> bool:
-    return step["compiles"] > 0 or step["graphs_compiled"] > 0 or step["recompiles"] > 0
+    """The step needed new executables: compiled, or loaded from the persistent cache (a loop that
+    loads a new one every step on a warm cache compiles every step on a cold one)."""
+    return step["compiles"] > 0 or step.get("loads", 0) > 0 or step["graphs_compiled"] > 0 \
+        or step["recompiles"] > 0
 
 
 def transfers(run: dict) -> dict:
@@ -227,6 +266,8 @@ def performance(run: dict, warmup: int, baseline: dict | None) -> dict:
     steady = steps[warmup:]
     out = {
         "step_source": run.get("step_source"),
+        "step_optimizer": run.get("step_optimizer"),
+        "step_note": run.get("step_note"),
         "steps": len(steps),
         "warmup": min(warmup, len(steps)),
         "first_step_seconds": steps[0]["seconds"] if steps else None,
@@ -243,7 +284,13 @@ def performance(run: dict, warmup: int, baseline: dict | None) -> dict:
             "first_step_seconds": bsteps[0]["seconds"],
             "steady": latency_stats([s["seconds"] for s in bsteady], [s["samples"] for s in bsteady]),
             "series": [s["seconds"] for s in bsteps],
+            "step_note": baseline.get("step_note"),
         }
+        if run.get("step_source") == baseline.get("step_source") == "optimizer" \
+                and run.get("step_optimizer") != baseline.get("step_optimizer"):
+            b["step_note"] = ((b["step_note"] + "; ") if b["step_note"] else "") + (
+                f"its steps come from optimizer #{(baseline.get('step_optimizer') or 0) + 1}, this run's from "
+                f"#{(run.get('step_optimizer') or 0) + 1} (by order of first step): they may not be the same loop")
         if b["steady"] and out["steady"] and b["steady"]["p50_s"]:
             b["p50_ratio"] = out["steady"]["p50_s"] / b["steady"]["p50_s"]
         out["baseline"] = b
@@ -402,7 +449,8 @@ def findings(run, baseline, sections, warmup) -> list[dict]:
     recompile_reasons = comp["recompiles"]
     if _every_step(hits, len(steady)):
         detail = (f"{hits} of {len(steady)} steady-state steps compiled something "
-                  f"({comp['steady_compiles']} eager executables")
+                  f"({comp['steady_compiles']} eager executables"
+                  + (f", {comp['steady_loads']} more loaded from the persistent cache" if comp["steady_loads"] else ""))
         if recompile_reasons:
             detail += f"; torch.compile recompiles: {sum(recompile_reasons.values())}"
         detail += "). Changing shapes? Pad or bucket them (torchneuron.pad_to_multiple)."
@@ -420,7 +468,7 @@ def findings(run, baseline, sections, warmup) -> list[dict]:
             if e["steady_steps"] >= MIN_STEADY_HITS:
                 out.append(_finding(
                     "warning", "compiling_loop", f"aten::{e['op']} keeps compiling at one call site",
-                    f"{e['count']} new executable(s) in {e['steady_steps']} steady-state steps at "
+                    f"{e['count']} new executable(s){_loaded_text(e)} in {e['steady_steps']} steady-state steps at "
                     f"{_site_text(e['site'])} ({_reasons(e)}). A loop that changes shapes, dtypes or "
                     "compiled-in arguments compiles again each time: keep them fixed (pad or bucket "
                     "shapes with torchneuron.pad_to_multiple).", op=e["op"], site=e["site"]))
@@ -444,6 +492,8 @@ def findings(run, baseline, sections, warmup) -> list[dict]:
             "warning", "adaptive_compile_failed", "Adaptive eager regions failed to compile",
             f"{unfused['compile failed']} region run(s) went op by op because their fused executable "
             "failed to compile (a torchneuron bug: please report it)."))
+    for e in comp["fusion_isolated"]:
+        out.append(_isolated_finding(e))
     if comp["graph_breaks"]:
         out.append(_finding("warning", "graph_breaks", "torch.compile graph breaks",
                             f"{sum(comp['graph_breaks'].values())} graph break(s): "
@@ -479,6 +529,8 @@ def findings(run, baseline, sections, warmup) -> list[dict]:
                                 f"{v['count']} value(s) here, {v['baseline_count']} in the baseline; "
                                 f"the first {v['compared']} were compared."))
 
+    out += _drift_findings(sections.get("drift"))
+
     if baseline is not None:
         bstatus = baseline.get("status", {})
         if bstatus.get("outcome") in ("error", "killed") and status.get("outcome") not in ("error", "killed"):
@@ -501,6 +553,65 @@ def findings(run, baseline, sections, warmup) -> list[dict]:
     order = {"blocker": 0, "warning": 1}
     out.sort(key=lambda f: order[f["severity"]])
     return out
+
+
+def _worst(diff: dict) -> str:
+    """The worst element of a drift's difference: "cpu=1.5 neuron=1.25 at [0, 3]"."""
+    if diff.get("note"):
+        return diff["note"]
+    els = diff.get("elements") or []
+    text = f"max abs {num(diff['max_abs']):.3g}, max rel {num(diff['max_rel']):.3g}"
+    if els:
+        e = els[0]
+        text += (f"; worst element [{', '.join(map(str, e['index']))}]: cpu {_value(e['cpu'])}, "
+                 f"neuron {_value(e['neuron'])}")
+    return text
+
+
+def _value(v) -> str:
+    """A drift element's value: a float, or a string (non-finite in strict JSON, or complex)."""
+    return f"{v:.8g}" if isinstance(v, int | float) else str(v)
+
+
+def _drift_findings(d: dict | None) -> list[dict]:
+    """``--locate-drift``'s result as findings: where the model first leaves CPU's tolerance."""
+    if not d:
+        return []
+    cap = d.get("captured")
+    if cap is None:
+        return [_finding("warning", "drift_not_located", "Drift was not located",
+                         (d.get("note") or "no model was captured") + ".")]
+    where = f"{cap['type']} first called at {_site_text(cap.get('site'))}"
+    if d.get("error"):
+        return [_finding("warning", "drift_not_located", "Drift localisation failed",
+                         f"On {where}: {d['error'].splitlines()[0]}")]
+    if not d.get("drift"):
+        return []
+    m = d["module"]
+    label = m["name"] or "(model)"
+    detail = (f"In {where}, {label} ({m['type']}, call {m['call']}, {m['phase']}) is the first module whose "
+              f"output leaves CPU's tolerance (rtol {d['rtol']:g}, atol {d['atol']:g}): {_worst(m['difference'])}.")
+    o = d.get("op")
+    site = None
+    if o is None:
+        detail += (f" No single ATen op of it leaves the tolerance when re-run from CPU's inputs "
+                   f"({d['ops_compared']} ops compared): " + (d.get("note") or "the error accumulates across ops") + ".")
+    else:
+        site = o.get("site")
+        detail += (f" First op leaving it: {o['op']} (op {o['index']} of {d['ops_compared']}) at {_site_text(site)}: "
+                   f"{_worst(o['difference'])}; dtypes neuron {o['input_dtypes']} -> {o['output_dtypes']}, "
+                   f"cpu {o['cpu_input_dtypes']} -> {o['cpu_output_dtypes']}.")
+        if o.get("float64_downcast"):
+            detail += " Its float64 result ran as float32 (TORCHNEURON_FLOAT64=keep keeps float64)."
+        elif o.get("upstream_float64_downcast"):
+            detail += " An earlier op of this module had float64 downcast to float32."
+        if o.get("cpu_fallback"):
+            detail += " It ran as a CPU fallback."
+        if o.get("fused"):
+            detail += " It ran inside an adaptive eager fused region."
+    return [_finding("warning", "drift_located", f"Drift starts in {label} ({m['type']})"
+                     + (f" at {o['op']}" if o else ""), detail, module=m["name"],
+                     op=o["op"] if o else None, site=site)]
 
 
 def _top_pattern(reasons: dict) -> tuple[str, int]:
@@ -546,6 +657,7 @@ def build(run: dict, *, baseline: dict | None = None, warm: dict | None = None, 
         "numerics": numerics(run, baseline, tolerances or {}),
         "memory": memory(run),
         "shapes": buckets.advise(run["metrics"]),
+        "drift": run.get("drift"),   # --locate-drift's localisation (None when not asked for)
     }
     found = findings(run, baseline, sections, warmup)
     env = run.get("environment") or {}
@@ -583,7 +695,8 @@ def empty_run(role: str, message: str, command=None, device_map=None) -> dict:
     zero_counters = {k: {} for k in ("op_calls", "fallbacks", "decompositions", "recompiles", "graph_breaks",
                                      "float64_downcasts", "graph_fallbacks", "region_unfused")}
     metrics = {"executables_compiled": 0, "compile_seconds": 0.0, "cache_hits": 0, "h2d_copies": 0,
-               "h2d_bytes": 0, "d2h_copies": 0, "d2h_bytes": 0, "graphs_compiled": 0, **zero_counters}
+               "h2d_bytes": 0, "d2h_copies": 0, "d2h_bytes": 0, "graphs_compiled": 0, "eager_cache_loads": 0,
+               **zero_counters}
     return {"schema": "torchneuron.run/1", "role": role, "steps": [], "metrics": metrics, "sites": [],
             "failures": [], "fallback_costs": {}, "transfers": [], "tracked": {}, "memory": None,
             "status": {"outcome": "killed", "reason": None, "exit_code": None, "error": None, "message": message},

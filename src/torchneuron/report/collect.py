@@ -3,6 +3,13 @@
 A :class:`Collector` attaches to the tracer (``torchneuron.profiler``) for call sites, failures and
 fallback costs, marks steps (``torchneuron.step()`` or, failing that, ``optimizer.step()``), keeps
 values the script tracks (``torchneuron.track``) and snapshots the metrics registry at each step.
+
+Which ``optimizer.step()`` marks steps: the first optimizer (by order of first step) whose
+parameters are on the checked device, so that a script that trains a CPU reference model before
+the neuron one is measured on its neuron loop. With no such optimizer, the first one that stepped
+(and the run says so). A caller can fix the optimizer by its index (``step_optimizer``): the CPU
+baseline run of ``torchneuron check`` counts the optimizer the neuron run counted, since on CPU
+every optimizer's parameters are on CPU.
 ``stop()`` returns the run as plain JSON-able data; analysis and rendering never import torch.
 """
 
@@ -12,15 +19,19 @@ import linecache
 import math
 import time
 import traceback
+import weakref
 from collections import Counter
 
 import numpy as np
 import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._pytree import tree_map
 
 from .. import profiler
 from ..metrics import metrics
 from ..runtime import sites
+from .drift import locate_drift
 
 RUN_SCHEMA = "torchneuron.run/1"
 
@@ -66,7 +77,8 @@ def track(name: str, value, *, rtol: float | None = None, atol: float | None = N
         col.track(name, value, rtol, atol)
 
 
-_LIGHT_SCALARS = ("executables_compiled", "compile_seconds", "cache_hits", "h2d_copies", "h2d_bytes",
+_LIGHT_SCALARS = ("executables_compiled", "eager_cache_loads", "compile_seconds", "cache_hits",
+                  "h2d_copies", "h2d_bytes",
                   "d2h_copies", "d2h_bytes", "graphs_compiled", "regions_flushed", "region_ops",
                   "region_replayed_ops", "region_cache_hits", "region_compiles", "region_compile_seconds")
 _LIGHT_COUNTERS = ("fallbacks", "decompositions", "recompiles", "graph_breaks", "float64_downcasts",
@@ -110,8 +122,13 @@ class Collector:
     """
 
     def __init__(self, *, role: str = "neuron", max_steps: int | None = None, sync: bool = True,
-                 rtol: float = 1e-3, atol: float = 1e-5):
+                 rtol: float = 1e-3, atol: float = 1e-5, device: str = "neuron",
+                 step_optimizer: int | None = None):
         self.role = role
+        self.device = device                  # the checked device type (optimizers' parameters)
+        self.step_optimizer = step_optimizer  # fixed index of the optimizer that marks steps
+        self.optimizers: list[dict] = []      # by order of first step: steps, parameter devices
+        self._optimizer_index = weakref.WeakKeyDictionary()   # ids are reused once one is freed
         self.max_steps = max_steps
         self.sync = sync
         self.rtol = rtol
@@ -126,7 +143,6 @@ class Collector:
         self.tracked: dict[str, dict] = {}
         self.boundaries: list[dict] = []
         self.explicit_seen = False
-        self.first_optimizer = None
         self.persistent_cache = Counter()
         self.t_first_activity = None
         self.internal = False         # set while the collector itself reads tracked values
@@ -144,6 +160,9 @@ class Collector:
         self.start_snapshot = _light_snapshot()
         self.start_counters = {k: dict(getattr(metrics, k)) for k in _TOTAL_COUNTERS}
         self.start_scalars = {k: getattr(metrics, k) for k in _LIGHT_SCALARS}
+        # Adaptive eager's fused groups that failed or differed and now run op by op (the list
+        # only grows, unless the script resets the metrics).
+        self.start_isolated = len(getattr(metrics, "fusion_isolated", ()))
         self._hook = register_optimizer_step_post_hook(self._optimizer_stepped)
         _listen_to_jax()
         if self.role == "neuron":
@@ -221,34 +240,65 @@ class Collector:
     def float64(self, name: str) -> None:
         self.float64_sites[name] = sites.user_site()
 
-    def eager_compile(self, name: str, reason: str) -> None:
-        """An eager op needs a new executable (compiled or loaded from disk). The first step
-        compiles everything; after it, a call site that keeps compiling is a finding."""
+    def eager_compile(self, name: str, reason: str, loaded: bool = False) -> None:
+        """An eager op needed a new executable: compiled, or ``loaded`` from the persistent cache.
+        The first step needs everything; after it, a call site that keeps needing new ones is a
+        finding. Events keep the step boundary they follow; which steps count is decided at the end
+        (see ``_step_choice``)."""
         if self.internal:
-            return
-        step = self.current_step()
-        if step < 1:
             return
         site = sites.user_site()
         key = (name, _site_key(site))
         entry = self.compile_sites.get(key)
         if entry is None:
-            entry = self.compile_sites[key] = {"op": name, "site": site, "count": 0, "steps": [],
-                                               "reasons": {}}
-        entry["count"] += 1
-        if not entry["steps"] or entry["steps"][-1] != step:
-            entry["steps"].append(step)
-        entry["reasons"][reason] = entry["reasons"].get(reason, 0) + 1
+            entry = self.compile_sites[key] = {"op": name, "site": site, "events": []}
+        entry["events"].append((len(self.boundaries), reason, loaded))
 
     # -- steps ----------------------------------------------------------------------------------
     def _optimizer_stepped(self, optimizer, args, kwargs) -> None:
-        # With several optimizers per iteration, the first one to step defines the iteration.
-        if self.first_optimizer is None:
-            self.first_optimizer = id(optimizer)
-        if id(optimizer) == self.first_optimizer:
-            self.mark_step("optimizer", None)
+        index = self._optimizer_index.get(optimizer)
+        if index is None:
+            index = len(self.optimizers)
+            devices = sorted({p.device.type for g in optimizer.param_groups for p in g["params"]})
+            self._optimizer_index[optimizer] = index
+            self.optimizers.append({"index": index, "type": type(optimizer).__name__, "steps": 0,
+                                    "devices": devices, "on_device": self.device in devices})
+        self.optimizers[index]["steps"] += 1
+        self.mark_step("optimizer", None, optimizer=index)
 
-    def mark_step(self, source: str, samples) -> None:
+    def _chosen_optimizer(self) -> int | None:
+        """The optimizer whose steps are the run's steps, as far as the run has gone: the fixed one,
+        else the first with parameters on the device, else the first that stepped."""
+        if self.step_optimizer is not None:
+            return self.step_optimizer
+        for o in self.optimizers:
+            if o["on_device"]:
+                return o["index"]
+        return 0 if self.optimizers else None
+
+    def _step_choice(self) -> tuple[str | None, int | None]:
+        if self.explicit_seen:
+            return "explicit", None
+        if not self.boundaries:
+            return None, None
+        return "optimizer", self._chosen_optimizer()
+
+    @staticmethod
+    def _is_step(b: dict, source, optimizer) -> bool:
+        return b["source"] == source and (source != "optimizer" or b["optimizer"] == optimizer)
+
+    def _budget_counts(self, source: str, optimizer) -> bool:
+        """Whether this step mark counts towards the step budget: an optimizer's only once it is
+        known to be the one that marks steps (a CPU reference loop first does not use it up)."""
+        if source == "explicit":
+            return True
+        if self.step_optimizer is not None:
+            return optimizer == self.step_optimizer
+        if self.role == "baseline":
+            return optimizer == 0
+        return self.optimizers[optimizer]["on_device"] and optimizer == self._chosen_optimizer()
+
+    def mark_step(self, source: str, samples, optimizer: int | None = None) -> None:
         if source == "optimizer" and self.explicit_seen:
             return
         if source == "explicit" and not self.explicit_seen:
@@ -260,16 +310,46 @@ class Collector:
         mem = None
         if self.role == "neuron":
             mem = torch.neuron.memory_allocated()
-        self.boundaries.append({"t": t, "source": source, "samples": samples, "snap": _light_snapshot(),
-                                "memory": mem})
-        if self.max_steps is not None:
-            counted = sum(1 for b in self.boundaries if b["source"] == source)
+        self.boundaries.append({"t": t, "source": source, "optimizer": optimizer, "samples": samples,
+                                "snap": _light_snapshot(), "memory": mem})
+        if self.max_steps is not None and self._budget_counts(source, optimizer):
+            counted = sum(1 for b in self.boundaries if self._is_step(b, source, optimizer))
             if counted >= self.max_steps:
                 raise BudgetReached("steps")
 
     def current_step(self) -> int:
-        source = "explicit" if self.explicit_seen else "optimizer"
-        return sum(1 for b in self.boundaries if b["source"] == source)
+        """Steps marked so far (as the run's steps are chosen now; ``_build`` decides for good)."""
+        return self._steps_before(len(self.boundaries), *self._step_choice())
+
+    def _steps_before(self, pos: int, source, optimizer) -> int:
+        return sum(1 for b in self.boundaries[:pos] if self._is_step(b, source, optimizer))
+
+    def _step_note(self, source, optimizer) -> str | None:
+        """Why the steps are the ones they are, when more than one optimizer could have marked them."""
+        if source != "optimizer" or optimizer is None:
+            return None
+        others = [o for o in self.optimizers if o["index"] != optimizer]
+        chosen = self.optimizers[optimizer] if optimizer < len(self.optimizers) else None
+        if self.step_optimizer is not None:
+            if not others:
+                return None
+            return (f"steps are counted from optimizer #{optimizer + 1} by order of first step, the one "
+                    f"the run under test counted; {len(others)} other optimizer(s) stepped "
+                    f"({sum(o['steps'] for o in others)} steps) and are not counted")
+        if chosen is not None and not chosen["on_device"] and self.role == "neuron":
+            where = ", ".join(chosen["devices"]) or "no device"
+            return (f"steps are counted from an optimizer whose parameters are on {where}: no optimizer "
+                    f"had {self.device} parameters")
+        if others:
+            off = [o for o in others if not o["on_device"]]
+            note = (f"steps are counted from optimizer #{optimizer + 1} by order of first step, the first "
+                    f"whose parameters are on {self.device}")
+            if off:
+                note += (f"; {len(off)} optimizer(s) with parameters on "
+                         f"{', '.join(sorted({d for o in off for d in o['devices']})) or 'no device'} "
+                         f"stepped too ({sum(o['steps'] for o in off)} steps) and are not counted")
+            return note
+        return None
 
     # -- tracked values -------------------------------------------------------------------------
     def track(self, name: str, value, rtol, atol) -> None:
@@ -282,7 +362,7 @@ class Collector:
             entry["rtol"] = rtol
         if atol is not None:
             entry["atol"] = atol
-        entry["steps"].append(self.current_step())
+        entry["steps"].append(len(self.boundaries))   # the boundary it follows: a step number in _build
         entry["values"].append(values)
 
     def _host_values(self, value):
@@ -316,8 +396,8 @@ class Collector:
     # -- the run as data ------------------------------------------------------------------------
     def _build(self, t_end: float) -> dict:
         end_snapshot = _light_snapshot()
-        source = "explicit" if self.explicit_seen else ("optimizer" if self.boundaries else None)
-        bounds = [b for b in self.boundaries if b["source"] == source]
+        source, optimizer = self._step_choice()
+        bounds = [b for b in self.boundaries if self._is_step(b, source, optimizer)]
         steps = []
         # The first step counts from the start (of the script, or of the check() block) in every run,
         # so cold starts compare like for like: imports, set-up, uploads and compiles included.
@@ -330,6 +410,7 @@ class Collector:
                 "samples": b["samples"],
                 "memory": b["memory"],
                 "compiles": d["executables_compiled"],
+                "loads": d["eager_cache_loads"],
                 "compile_seconds": d["compile_seconds"],
                 "cache_hits": d["cache_hits"],
                 "graphs_compiled": d["graphs_compiled"],
@@ -354,10 +435,30 @@ class Collector:
             memory = {"devices": [{"index": i, "peak_bytes": torch.neuron.max_memory_allocated(i),
                                    "allocated_bytes": torch.neuron.memory_allocated(i)} for i in range(n)]}
 
+        # Step numbers count from 0: the steps of the chosen source marked before the event.
+        step_at = [0]
+        for b in self.boundaries:
+            step_at.append(step_at[-1] + self._is_step(b, source, optimizer))
+        isolated = list(getattr(metrics, "fusion_isolated", ()))
+        isolated = isolated[self.start_isolated:] if len(isolated) >= self.start_isolated else isolated
         tracked = {}
         for name, e in self.tracked.items():
             tracked[name] = {"shape": e["shape"], "rtol": e["rtol"], "atol": e["atol"],
-                             "steps": e["steps"], "values": e["values"]}
+                             "steps": [step_at[p] for p in e["steps"]], "values": e["values"]}
+        compile_sites = []
+        for e in self.compile_sites.values():
+            events = [(step_at[p], reason, loaded) for p, reason, loaded in e["events"] if step_at[p] >= 1]
+            if not events:
+                continue
+            in_steps, reasons = [], {}
+            for step, reason, _ in events:
+                if not in_steps or in_steps[-1] != step:
+                    in_steps.append(step)
+                reasons[reason] = reasons.get(reason, 0) + 1
+            loaded = sum(1 for *_, was_loaded in events if was_loaded)
+            compile_sites.append({"op": e["op"], "site": e["site"], "count": len(events),
+                                  "compiled": len(events) - loaded, "loaded": loaded, "steps": in_steps,
+                                  "reasons": reasons})
 
         return {
             "schema": RUN_SCHEMA,
@@ -367,6 +468,9 @@ class Collector:
             "first_activity_seconds": (self.t_first_activity - self.t_start)
             if self.t_first_activity is not None else None,
             "step_source": source,
+            "step_optimizer": optimizer,
+            "step_note": self._step_note(source, optimizer),
+            "optimizers": [dict(o) for o in self.optimizers],
             "steps": steps,
             "after_steps": after,
             "metrics": totals,
@@ -375,12 +479,114 @@ class Collector:
             "failures": list(self.failures.values()),
             "fallback_costs": self.fallback_costs,
             "transfers": sorted(self.transfers.values(), key=lambda e: -e["bytes"]),
-            "compile_sites": sorted(self.compile_sites.values(), key=lambda e: -e["count"]),
+            "compile_sites": sorted(compile_sites, key=lambda e: -e["count"]),
             "tracked": tracked,
             "tolerance": {"rtol": self.rtol, "atol": self.atol},
             "memory": memory,
             "persistent_cache": dict(self.persistent_cache),
+            "fusion_isolated": [dict(e) for e in isolated],
         }
+
+
+class DriftCapture:
+    """``torchneuron check --locate-drift``: keeps the first call of the outermost module whose
+    parameters are all on the device (the module and CPU copies of its inputs), and after the
+    script has ended runs ``locate_drift`` on it (in eval mode, with the model's final weights).
+
+    The script sees nothing of it: the inputs' copies to the host are not counted as its traffic,
+    nothing runs on the device until the script is over (after the run's metrics are taken), and
+    the random number generators are not used. Nothing is installed unless it is asked for.
+    """
+
+    def __init__(self, collector: Collector, device: str = "neuron"):
+        self.collector = collector
+        self.device = device
+        self.module = None
+        self.inputs = None
+        self.site = None
+        self._stack: list[bool] = []      # per running module call: do its parameters qualify
+        self._handles = []
+
+    def install(self) -> DriftCapture:
+        self._handles = [register_module_forward_pre_hook(self._enter),
+                         register_module_forward_hook(self._leave, with_kwargs=True, always_call=True)]
+        return self
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _qualifies(self, module) -> bool:
+        devices = {p.device.type for p in module.parameters()}
+        return devices == {self.device}
+
+    def _enter(self, module, args):
+        self._stack.append(self._qualifies(module))
+
+    def _leave(self, module, args, kwargs, output):
+        # The call's own hooks run innermost first: a module is outermost when no module around it
+        # qualifies (a CPU wrapper around the device model leaves the device model outermost).
+        qualifies = self._stack.pop() if self._stack else False
+        if not qualifies or any(self._stack) or output is None:   # None: the call raised
+            return
+        self.remove()
+        self.module = module
+        self.site = sites.user_site()
+        col = self.collector
+        saved = (metrics.d2h_copies, metrics.d2h_bytes)
+        col.internal = True
+        try:
+            self.inputs = tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t,
+                                   (tuple(args), dict(kwargs)))
+        finally:
+            col.internal = False
+            metrics.d2h_copies, metrics.d2h_bytes = saved
+
+    def run(self, rtol: float, atol: float) -> dict:
+        """The localisation as JSON-able data (call after the script and the collector stopped)."""
+        self.remove()
+        if self.module is None:
+            return {"captured": None, "error": None,
+                    "note": f"no module with all its parameters on {self.device} was called"}
+        module = self.module
+        captured = {"type": type(module).__name__, "site": self.site}
+        modes = {m: m.training for m in module.modules()}
+        module.eval()   # dropout off, batch norm statistics untouched: both sides compute the same thing
+        try:
+            args, kwargs = self.inputs
+            found = locate_drift(module, tuple(args), rtol=rtol, atol=atol, kwargs=kwargs)
+        except Exception as err:  # noqa: BLE001 - a failed localisation is the report's data
+            return {"captured": captured, "error": f"{type(err).__name__}: {str(err).strip()[:2000]}"}
+        finally:
+            for m, mode in modes.items():
+                m.training = mode
+        return {"captured": captured, "error": None, "text": str(found), **_drift_data(found)}
+
+
+def _drift_data(found) -> dict:
+    def difference(d):
+        return {"max_abs": d.max_abs, "max_rel": d.max_rel, "note": d.note,
+                "elements": [{"index": list(i), "cpu": _real(c), "neuron": _real(n)} for i, c, n in d.elements]}
+
+    out = {"rtol": found.rtol, "atol": found.atol, "drift": found.drift, "modules_compared": found.modules_compared,
+           "ops_compared": found.ops_compared, "note": found.note, "module": None, "op": None}
+    if found.module is not None:
+        m = found.module
+        out["module"] = {"name": m.name, "type": m.type, "call": m.call, "phase": m.phase, "output": m.output,
+                         "difference": difference(m.difference)}
+    if found.op is not None:
+        o = found.op
+        out["op"] = {"op": o.op, "index": o.index, "phase": o.phase, "difference": difference(o.difference),
+                     "input_dtypes": o.input_dtypes, "cpu_input_dtypes": o.cpu_input_dtypes,
+                     "output_dtypes": o.output_dtypes, "cpu_output_dtypes": o.cpu_output_dtypes,
+                     "float64_downcast": o.float64_downcast, "upstream_float64_downcast": o.upstream_float64_downcast,
+                     "cpu_fallback": o.cpu_fallback, "fused": o.fused, "site": o.site}
+    return out
+
+
+def _real(v):
+    return str(v) if isinstance(v, complex) else float(v)
 
 
 _jax_listening = False

@@ -110,6 +110,7 @@ def blocks(report: dict) -> list[tuple]:
     _transfers(b, report)
     _performance(b, report)
     _numerics(b, report)
+    _drift(b, report)
     _memory(b, report)
     return b
 
@@ -211,10 +212,14 @@ def _compilation(b, report):
     c = report["compilation"]
     b.append(("h", 2, "Compilation"))
     rate = f"{c['cache_hit_rate']:.1%}" if c["cache_hit_rate"] is not None else "–"
+    loads = c.get("eager_cache_loads", 0)
+    cold_loads = c.get("cold_loads", 0)
     rows = [
-        ["Eager executables compiled", str(c["executables_compiled"])],
-        ["Compile time (all)", fmt_s(c["compile_seconds"])],
-        ["Cold compile (first step)", f"{c['cold_executables']} executables, {fmt_s(c['cold_compile_seconds'])}"],
+        ["Eager executables compiled", str(c["executables_compiled"])
+         + (f" ({loads} loaded from the persistent cache instead)" if loads else "")],
+        ["Compile time (all)" + (", loads included" if loads else ""), fmt_s(c["compile_seconds"])],
+        ["Cold compile (first step)", f"{c['cold_executables']} executables compiled"
+         + (f", {cold_loads} loaded" if cold_loads else "") + f", {fmt_s(c['cold_compile_seconds'])}"],
         ["Executable cache hits", f"{c['cache_hits']} (hit rate {rate})"],
         ["Steady-state steps that compiled", str(c["steady_steps_compiling"])],
         ["torch.compile graphs compiled", str(c["graphs_compiled"])],
@@ -241,17 +246,26 @@ def _compilation(b, report):
         rows.append(["Warm start: first step", fmt_s(w["first_step_seconds"])])
     b.append(("table", ["Measure", "Value"], rows))
     if c.get("compile_sites"):
-        b.append(("p", ["Eager executables needed after the first step, by call site (a site that compiles "
-                        "in many steps is a loop that keeps compiling):"]))
-        b.append(("table", ["Op", "New executables", "Steps", "Reasons", "Call site"],
-                  [[Code(e["op"]), str(e["count"]), str(len(e["steps"])),
-                    ", ".join(f"{r} ×{n}" for r, n in e["reasons"].items()), site_cell(e["site"])]
+        b.append(("p", ["Eager executables needed after the first step, by call site, compiled or loaded "
+                        "from the persistent cache (a site that needs new ones in many steps is a loop "
+                        "that keeps compiling; on a warm cache it loads instead):"]))
+        b.append(("table", ["Op", "New executables", "Compiled", "Loaded", "Steps", "Reasons", "Call site"],
+                  [[Code(e["op"]), str(e["count"]), str(e.get("compiled", e["count"])), str(e.get("loaded", 0)),
+                    str(len(e["steps"])), ", ".join(f"{r} ×{n}" for r, n in e["reasons"].items()),
+                    site_cell(e["site"])]
                    for e in c["compile_sites"][:20]]))
     for key, label in (("graph_breaks", "Graph break reasons"), ("recompiles", "Recompile reasons"),
                        ("graph_fallbacks", "Graphs run eagerly because of")):
         if c[key]:
             b.append(("p", [label + ":"]))
             b.append(("table", ["Reason", "Count"], [[Code(r), str(n)] for r, n in c[key].items()]))
+    iso = c.get("fusion_isolated") or []
+    if iso:
+        b.append(("p", ["Fused groups isolated by adaptive eager (they run op by op from now on):"]))
+        b.append(("table", ["Ops", "Reason", "Region ops", "Call site", "Error"],
+                  [[Code(", ".join(e.get("ops") or [])), e.get("reason") or "–", str(e.get("region_ops") or "–"),
+                    site_cell(next((s for s in e.get("sites") or [] if s), None)),
+                    ((e.get("error") or "").strip().splitlines() or ["–"])[0][:200]] for e in iso]))
     if a and a["unfused_runs"]:
         b.append(("p", ["Adaptive regions run op by op, by reason:"]))
         b.append(("table", ["Reason", "Segment runs"], [[r, str(n)] for r, n in a["unfused_runs"].items()]))
@@ -317,6 +331,10 @@ def _performance(b, report):
                     "the start of the script to the first step mark, so it includes set-up, uploads and compiles"
                     + (f" (the first neuron op ran at {fmt_s(p['first_activity_seconds'])})."
                        if p.get("first_activity_seconds") is not None else ".")]))
+    notes = [f"This run: {p['step_note']}." if p.get("step_note") else None,
+             f"Baseline: {p['baseline']['step_note']}." if (p.get("baseline") or {}).get("step_note") else None]
+    if any(notes):
+        b.append(("p", [" ".join(n for n in notes if n)]))
     s = p["steady"]
     base = p.get("baseline")
     bs = base["steady"] if base else None
@@ -391,6 +409,54 @@ def _numerics(b, report):
                                               + (" (log scale; exact matches on the bottom edge)" if log else ""),
                                               xlabel="tracked value #", ylabel="abs error", log_y=log,
                                               zeros_on_axis=True)))
+
+
+def _drift(b, report):
+    d = report.get("drift")
+    if not d:
+        return
+    b.append(("h", 2, "Drift localisation"))
+    cap = d.get("captured")
+    if cap is None:
+        b.append(("p", [f"Nothing to localise: {d.get('note') or 'no model was captured'}."]))
+        return
+    b.append(("p", [f"The first call of {cap['type']} (at ", Code(site_text(cap.get("site"))),
+                    ") was run again after the script, in eval mode with the final weights, on CPU and on "
+                    "neuron; each module's output, then each ATen op of the first drifting module, compared."]))
+    if d.get("error"):
+        b.append(("p", ["The localisation failed: ", Code(d["error"])]))
+        return
+    if not d.get("drift"):
+        b.append(("p", [f"No drift: {d['modules_compared']} module outputs match CPU within rtol {d['rtol']:g}, "
+                        f"atol {d['atol']:g}."]))
+        return
+    m, o = d["module"], d.get("op")
+    rows = [["First module", Code(m["name"] or "(model)"), f"{m['type']}, call {m['call']}, {m['phase']}, "
+             f"output {m['output']}"],
+            ["Its difference", "", _diff_text(m["difference"])]]
+    if o:
+        rows += [["First op", Code(o["op"]), f"op {o['index']} of {d['ops_compared']}, {o['phase']}"],
+                 ["Its difference", "", _diff_text(o["difference"])],
+                 ["dtypes (neuron)", "", f"{', '.join(o['input_dtypes'])} -> {', '.join(o['output_dtypes'])}"],
+                 ["dtypes (cpu)", "", f"{', '.join(o['cpu_input_dtypes'])} -> {', '.join(o['cpu_output_dtypes'])}"],
+                 ["Call site", "", site_cell(o.get("site"))]]
+        flags = [t for key, t in (("float64_downcast", "float64 ran as float32"),
+                                  ("upstream_float64_downcast", "an earlier op had float64 run as float32"),
+                                  ("cpu_fallback", "ran as a CPU fallback"),
+                                  ("fused", "ran inside an adaptive fused region")) if o.get(key)]
+        if flags:
+            rows.append(["Notes", "", "; ".join(flags)])
+    b.append(("table", ["", "Where", "What"], rows))
+    if d.get("text"):
+        b.append(("code", d["text"]))
+
+
+def _diff_text(diff: dict) -> str:
+    if diff.get("note"):
+        return diff["note"]
+    worst = "; ".join(f"[{','.join(map(str, e['index']))}] cpu {fmt_num(e['cpu'], 8)}, neuron {fmt_num(e['neuron'], 8)}"
+                      for e in diff.get("elements") or [])
+    return f"max abs {fmt_num(diff['max_abs'])}, max rel {fmt_num(diff['max_rel'])}" + (f"; worst: {worst}" if worst else "")
 
 
 def _memory(b, report):

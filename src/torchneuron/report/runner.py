@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
 
     devmap = DeviceMap(spec["device_map"]).install() if spec.get("device_map") else None
     collector = collect.Collector(role=spec["role"], max_steps=spec.get("steps"), sync=spec.get("sync", True),
-                                  rtol=spec.get("rtol", 1e-3), atol=spec.get("atol", 1e-5))
+                                  rtol=spec.get("rtol", 1e-3), atol=spec.get("atol", 1e-5),
+                                  step_optimizer=spec.get("step_optimizer"))
 
     timeout = spec.get("timeout")
     previous_handler = None
@@ -77,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     status = {"outcome": "completed", "reason": None, "exit_code": 0, "error": None}
     start = time.perf_counter()
     collector.start()
+    drift = None
+    if spec.get("locate_drift") and spec["role"] == "neuron":
+        drift = collect.DriftCapture(collector).install()
     try:
         _run_user(kind, target, user_argv)
     except collect.BudgetReached as stop:
@@ -102,11 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     data["command"] = user_argv if kind != "module" else ["-m", *user_argv]
     data["device_map"] = spec.get("device_map") or {}
     data["environment"] = manifest()
-    tmp = spec["output"] + ".tmp"
+    _write(data, spec["output"])
+    if drift is not None:
+        # After the run's data is written (a localisation that crashes loses only itself), and
+        # after the collector stopped: its device work is not the script's.
+        print("torchneuron check: locating drift (--locate-drift)", file=sys.stderr, flush=True)
+        data["drift"] = drift.run(spec.get("rtol", 1e-3), spec.get("atol", 1e-5))
+        _write(data, spec["output"])
+    return 0
+
+
+def _write(data: dict, path: str) -> None:
+    tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(jsonable(data), f, allow_nan=False)
-    os.replace(tmp, spec["output"])
-    return 0
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
