@@ -184,6 +184,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="after the script ends, find the first module and ATen op of its model (the first "
                         "module called with all parameters on neuron, on the inputs of that first call) "
                         "whose neuron result leaves CPU's tolerance (--rtol/--atol)")
+    p.add_argument("--verify-fusion", action="store_true",
+                   help="run the script in adaptive eager mode (unless TORCHNEURON_EAGER_MODE is set) and "
+                        "compare each fused region with its ops run one by one; a fused group that differs, "
+                        "fails to compile or fails to run is bisected to the smallest failing group, which runs "
+                        "op by op and is named in the report")
     p.add_argument("--title", help="report title")
     p.add_argument("--fail-on", choices=("blocker", "warning", "never"), default="blocker",
                    help="exit with status 1 when the report has problems of this severity (default: blocker)")
@@ -271,6 +276,9 @@ def _check(argv: list[str]) -> int:
     # The child imports this very torchneuron, whatever the interpreter's own path says.
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if args.verify_fusion:
+        env["TORCHNEURON_ADAPTIVE_VERIFY_FUSION"] = "1"
+        env.setdefault("TORCHNEURON_EAGER_MODE", "adaptive")
     if args.preflight:
         _preflight(interp, env)
     spec = {"role": "neuron", "device_map": device_map, "steps": args.steps, "timeout": args.timeout,
