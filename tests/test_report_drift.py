@@ -70,6 +70,7 @@ def test_locate_drift_names_the_planted_module_and_op(tmp_path):
     drift = report["drift"]
     assert drift["error"] is None and drift["drift"], drift
     assert drift["captured"]["type"] == "Net"      # the neuron model, not the CPU reference
+    assert drift["captured"]["backward"] is True   # a training script: gradients compared too
     assert drift["captured"]["site"]["line"] == _line("MODEL-CALL")
     assert drift["module"]["name"] == "middle" and drift["module"]["type"] == "Cancel"
     op = drift["op"]

@@ -553,9 +553,19 @@ class DriftCapture:
         captured = {"type": type(module).__name__, "site": self.site}
         modes = {m: m.training for m in module.modules()}
         module.eval()   # dropout off, batch norm statistics untouched: both sides compute the same thing
+        # A training script (an optimizer of the device's parameters stepped): gradients too.
+        backward = any(o["on_device"] for o in self.collector.optimizers)
+        captured["backward"] = backward
         try:
             args, kwargs = self.inputs
-            found = locate_drift(module, tuple(args), rtol=rtol, atol=atol, kwargs=kwargs)
+            try:
+                found = locate_drift(module, tuple(args), rtol=rtol, atol=atol, kwargs=kwargs, backward=backward)
+            except ValueError as err:
+                if not backward or "backward=True" not in str(err):
+                    raise
+                # No floating output to take a gradient of (an output that is a dict of ints...).
+                captured["backward"] = False
+                found = locate_drift(module, tuple(args), rtol=rtol, atol=atol, kwargs=kwargs)
         except Exception as err:  # noqa: BLE001 - a failed localisation is the report's data
             return {"captured": captured, "error": f"{type(err).__name__}: {str(err).strip()[:2000]}"}
         finally:
