@@ -10,9 +10,15 @@ With ``torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity
 the exported Chrome trace also holds a ``neuron:<i>`` process -- the device lane: one track of
 executions (eager ops and torch.compile graphs, waited for while a session records, so their
 slices last until the results are ready), one of compiles, one of host<->device transfers (with
-their bytes) and one of CPU fallbacks, each slice linked by a flow arrow from the CPU range that
-issued it. PyTorch's C++ profiler has no hook a Python backend can fill, so the lane is added to
-the JSON ``export_chrome_trace`` writes.
+their bytes), one of CPU fallbacks and one of adaptive-eager regions (a slice per fused
+executable run, or per op-by-op group whose ops' executions lie within it, with the op count and
+names in its args), each slice linked by a flow arrow from the CPU range that issued it (for a
+region: that cut it; a run overlapping the program on the worker thread, ``adaptive_overlap``,
+has no arrow). PyTorch's C++ profiler has no hook a Python backend can fill, so the lane is added
+to the JSON ``export_chrome_trace`` writes, and the lane's measured times are given to the
+session's FunctionEvents when PyTorch builds them (``prof.events()``, ``key_averages()``): each
+op's ``device_time_total`` / ``self_device_time_total``, plus a device event per execution, as
+CUDA kernels appear.
 
 The same tracer serves the migration-readiness report (call sites of the first call of each op,
 failures, fallback transfer costs). It is installed on ``metrics.tracer`` only while someone needs
