@@ -54,7 +54,9 @@ def test_trace_has_a_neuron_lane_linked_to_cpu_ranges(tmp_path):
     h2d = [e for e in by_track["host<->device transfers"] if e["name"] == "h2d"]
     assert sum(e["args"]["bytes"] for e in h2d) >= 7 * 5 * 4
     assert any(e["name"] == "d2h" and e["args"]["bytes"] == 4 for e in by_track["host<->device transfers"])
-    assert any(e["name"] == "torchneuron_test::cpu_only" for e in by_track["CPU fallbacks"])
+    fallback = next(e for e in by_track["CPU fallbacks"] if e["name"] == "torchneuron_test::cpu_only")
+    assert fallback["args"]["call_site"].endswith(" in _trace"), fallback   # the user line that called it
+    assert "test_profiler_device.py:" in fallback["args"]["call_site"]
     # An execution starts after the compile its call made, and within the CPU range that issued it.
     addmm_cpu = next(e for e in events if e.get("ph") == "X" and e["name"] == "neuron::addmm")
     addmm_exec = next(e for e in by_track["executions"] if e["name"] == "addmm")

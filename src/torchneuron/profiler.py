@@ -43,7 +43,7 @@ from torch.autograd.profiler_util import FunctionEvent
 from . import seams
 from .eager import kernel
 from .metrics import metrics, op_key
-from .runtime import memory
+from .runtime import memory, sites
 
 __all__ = ["enable", "disable", "reset", "stats", "summary", "is_enabled"]
 
@@ -152,8 +152,9 @@ class Tracer:
                 went_cpu = True    # fallback="error" refused to run it on CPU
             path = "cpu" if went_cpu else "decomposed"
             if rng is not None:
-                if went_cpu:
-                    self._device("fallback", name, wall, {"path": "cpu"})
+                if went_cpu:   # with the user's line that called it
+                    self._device("fallback", name, wall,
+                                 {"path": "cpu", "call_site": sites.format_site(sites.user_site(2))})
                 rng.__exit__(None, None, None)
             if self.timing:
                 stat = self._stat(name, path)
