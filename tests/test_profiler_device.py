@@ -217,9 +217,9 @@ def test_key_averages_carry_neuron_device_time():
     # the device events of their own, as CUDA kernels are: what the table's device total adds up
     assert rows["mm"].device_type == DeviceType.PrivateUse1 and rows["mm"].count == 3
     assert rows["mm"].self_device_time_total == pytest.approx(mm.self_device_time_total)
-    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=4)
+    table = prof.key_averages().table(sort_by="self_device_time_total")
     assert "Self NEURON" in table and "Self NEURON time total" in table
-    assert table.index("neuron::mm") < table.index("neuron::add.Tensor") if "neuron::add.Tensor" in table else True
+    assert table.index("neuron::mm") < table.index("neuron::add.Tensor")   # sorted by device time
     # a CPU-only session has none
     with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as cpu_prof:
         (a @ a).sum().item()
