@@ -1,6 +1,11 @@
 """torchneuron.export.save / load: a torch.export program as a neuron artifact (a .pt2 with its
 StableHLO), run on neuron; the CPU module is the oracle."""
 
+import json
+import os
+import subprocess
+import sys
+import warnings
 import zipfile
 
 import pytest
@@ -65,3 +70,77 @@ def test_load_refuses_a_plain_pt2_and_save_a_module(model, tmp_path):
         torchneuron.export.load(str(path))
     with pytest.raises(TypeError, match="torch.export.ExportedProgram"):
         torchneuron.export.save(model, str(tmp_path / "m.pt2"))
+
+
+def _saved(model, tmp_path, name="net.pt2", shape=(3, 4)):
+    path = tmp_path / name
+    torchneuron.export.save(torch.export.export(model, (torch.randn(*shape),)), str(path))
+    return path
+
+
+_FRESH = """
+import sys, torch, torchneuron
+program = torchneuron.export.load(sys.argv[1])
+outs = program(torch.load(sys.argv[2]))
+torch.save([o.cpu() for o in outs], sys.argv[3])
+"""
+
+
+def test_artifact_runs_in_a_fresh_process_without_model_code(model, tmp_path):
+    path = _saved(model, tmp_path, shape=(5, 4))
+    x = torch.randn(5, 4)
+    torch.save(x, tmp_path / "x.pt")
+    script = tmp_path / "serve.py"
+    script.write_text(_FRESH)
+    package_root = os.path.dirname(os.path.dirname(torchneuron.__file__))   # this torchneuron, not the tests
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(script), str(path), str(tmp_path / "x.pt"), str(tmp_path / "y.pt")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fresh = torch.load(tmp_path / "y.pt")
+    here = [o.cpu() for o in torchneuron.export.load(str(path))(x)]
+    cpu = [o.detach() for o in model(x)]
+    assert len(fresh) == len(here) == len(cpu) == 2
+    for f, h, c in zip(fresh, here, cpu):
+        assert torch.equal(f, h)                     # the same executable, bit for bit
+        torch.testing.assert_close(f, c, rtol=1e-5, atol=1e-5)
+
+
+def _with_manifest(path, out, change):
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(out, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename.endswith("torchneuron/manifest.json"):
+                data = json.dumps(change(json.loads(data))).encode()
+            dst.writestr(item, data)
+    return str(out)
+
+
+def test_load_under_another_manifest_warns_or_refuses(model, tmp_path):
+    path = _saved(model, tmp_path)
+    other = _with_manifest(path, tmp_path / "other.pt2", lambda m: dict(m, torch="1.0.0", platform="tpu"))
+    with pytest.warns(UserWarning, match=r"saved with torch '1\.0\.0' \(here .*platform 'tpu'"):
+        program = torchneuron.export.load(other)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(program(x)[0].cpu(), model(x)[0].detach(), rtol=1e-5, atol=1e-5)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torchneuron.export.load(str(path))
+    assert not [w for w in seen if "torchneuron.export" in str(w.message)]   # the same versions: none
+    future = _with_manifest(path, tmp_path / "future.pt2", lambda m: dict(m, format=2))
+    with pytest.raises(ValueError, match="manifest format 2"):
+        torchneuron.export.load(future)
+
+
+def test_artifacts_have_static_shapes(model, tmp_path):
+    """No variable shapes / bucket metadata in artifacts yet: other lengths than the exported one
+    (two non-round ones here) are refused clearly, as is a dynamic_shapes export."""
+    program = torchneuron.export.load(str(_saved(model, tmp_path, shape=(7, 4))))
+    torch.testing.assert_close(program(torch.ones(7, 4))[0].cpu(), model(torch.ones(7, 4))[0].detach(),
+                               rtol=1e-5, atol=1e-5)
+    for n in (5, 13):
+        with pytest.raises(ValueError, match=rf"exported for input shapes \[\(7, 4\)\], got \[\({n}, 4\)\]"):
+            program(torch.randn(n, 4))
+    dynamic = torch.export.export(model, (torch.randn(7, 4),), dynamic_shapes=({0: torch.export.Dim("n")},))
+    with pytest.raises(ValueError, match="dynamic_shapes"):
+        torchneuron.export.save(dynamic, str(tmp_path / "dyn.pt2"))

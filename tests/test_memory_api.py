@@ -162,3 +162,46 @@ def test_oom_writes_snapshot_when_configured(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
     assert torchneuron.config.oom_snapshot == ""
+
+
+# torch.cuda.memory_stats()'s documented core statistics, each "<metric>.{all,large_pool,small_pool}.
+# {current,peak,allocated,freed}" (PyTorch's docs: "allocated." names the count whose key is
+# "allocation."; requested_bytes is documented with torch.xpu / torch.accelerator's memory_stats).
+_CORE = ("allocation", "allocated_bytes", "segment", "reserved_bytes", "active", "active_bytes",
+         "inactive_split", "inactive_split_bytes", "requested_bytes")
+_POOLS = ("all", "large_pool", "small_pool")
+_FIELDS = ("current", "peak", "allocated", "freed")
+
+
+def test_memory_stats_pools_split_by_size_and_add_up():
+    mem = torch.neuron.memory
+    expected = {f"{m}.{p}.{f}" for m in _CORE for p in _POOLS for f in _FIELDS}
+    stats = mem.memory_stats()
+    assert {k for k in stats if k.split(".")[1:2] and k.split(".")[1] in _POOLS} == expected
+    mem.reset_accumulated_memory_stats()
+    mem.reset_peak_memory_stats()
+    before = mem.memory_stats()
+    small = torch.empty(1000, device="neuron")              # 4000 bytes: small pool
+    edge = torch.empty(1 << 18, device="neuron")             # exactly 1 MiB: still small
+    large = torch.empty(300_000, device="neuron")            # 1.2 MB: large pool
+    large2 = torch.empty(2, 300_000, device="neuron")        # 2.4 MB: large pool
+    del small, large2
+    stats = mem.memory_stats()
+    for m in _CORE:
+        for f in _FIELDS:
+            if f != "peak":
+                assert stats[f"{m}.small_pool.{f}"] + stats[f"{m}.large_pool.{f}"] == stats[f"{m}.all.{f}"], (m, f)
+    assert stats["allocated_bytes.small_pool.allocated"] == 4000 + (1 << 20)
+    assert stats["allocated_bytes.small_pool.freed"] == 4000
+    assert stats["allocated_bytes.large_pool.allocated"] == 1_200_000 + 2_400_000
+    assert stats["allocated_bytes.large_pool.freed"] == 2_400_000
+    assert stats["allocation.large_pool.allocated"] == 2 and stats["allocation.large_pool.freed"] == 1
+    assert stats["segment.small_pool.current"] - before["segment.small_pool.current"] == 1
+    assert (stats["allocated_bytes.large_pool.current"] - before["allocated_bytes.large_pool.current"]
+            == 1_200_000 == large.untyped_storage().nbytes())
+    assert stats["allocated_bytes.large_pool.peak"] - before["allocated_bytes.large_pool.current"] == 3_600_000
+    assert stats["allocated_bytes.small_pool.peak"] - before["allocated_bytes.small_pool.current"] == 4000 + (1 << 20)
+    summary = mem.memory_summary()
+    assert "from large pool" in summary and "from small pool" in summary
+    assert "from large pool" not in mem.memory_summary(abbreviated=True)
+    del edge, large

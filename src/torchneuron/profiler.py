@@ -10,9 +10,15 @@ With ``torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity
 the exported Chrome trace also holds a ``neuron:<i>`` process -- the device lane: one track of
 executions (eager ops and torch.compile graphs, waited for while a session records, so their
 slices last until the results are ready), one of compiles, one of host<->device transfers (with
-their bytes) and one of CPU fallbacks, each slice linked by a flow arrow from the CPU range that
-issued it. PyTorch's C++ profiler has no hook a Python backend can fill, so the lane is added to
-the JSON ``export_chrome_trace`` writes.
+their bytes), one of CPU fallbacks and one of adaptive-eager regions (a slice per fused
+executable run, or per op-by-op group whose ops' executions lie within it, with the op count and
+names in its args), each slice linked by a flow arrow from the CPU range that issued it (for a
+region: that cut it; a run overlapping the program on the worker thread, ``adaptive_overlap``,
+has no arrow). PyTorch's C++ profiler has no hook a Python backend can fill, so the lane is added
+to the JSON ``export_chrome_trace`` writes, and the lane's measured times are given to the
+session's FunctionEvents when PyTorch builds them (``prof.events()``, ``key_averages()``): each
+op's ``device_time_total`` / ``self_device_time_total``, plus a device event per execution, as
+CUDA kernels appear.
 
 The same tracer serves the migration-readiness report (call sites of the first call of each op,
 failures, fallback transfer costs). It is installed on ``metrics.tracer`` only while someone needs
@@ -21,6 +27,7 @@ it; otherwise the kernels run their plain code and pay nothing (see ``eager.kern
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import os
@@ -30,11 +37,13 @@ import time
 
 import torch
 import torch.autograd.profiler as autograd_profiler
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
 
 from . import seams
 from .eager import kernel
 from .metrics import metrics, op_key
-from .runtime import memory
+from .runtime import memory, sites
 
 __all__ = ["enable", "disable", "reset", "stats", "summary", "is_enabled"]
 
@@ -62,6 +71,7 @@ class Tracer:
         # The device lane of the current or last torch.profiler session: (track, name, start ns,
         # end ns (wall clock), issuing thread, extra args).
         self.device_events: list = []
+        self._cut = threading.local()   # .at: (reason, wall ns) of this thread's last region cut
 
     # -- what the hooks call --------------------------------------------------------------------
     def kernel(self, k, call, args, kwargs):
@@ -149,8 +159,9 @@ class Tracer:
                 went_cpu = True    # fallback="error" refused to run it on CPU
             path = "cpu" if went_cpu else "decomposed"
             if rng is not None:
-                if went_cpu:
-                    self._device("fallback", name, wall, {"path": "cpu"})
+                if went_cpu:   # with the user's line that called it
+                    self._device("fallback", name, wall,
+                                 {"path": "cpu", "call_site": sites.format_site(sites.user_site(2))})
                 rng.__exit__(None, None, None)
             if self.timing:
                 stat = self._stat(name, path)
@@ -229,6 +240,51 @@ class Tracer:
                 self._device("compile", name, wall)
                 rng.__exit__(None, None, None)
 
+    # -- adaptive eager regions (eager/adaptive/recorder.py's flush, run.py) ----------------------
+    def region_cut(self, reason):
+        """A region is cut (a host read, backward end, optimizer step...): its runs' slices flow
+        from the CPU range this thread is in now."""
+        if self.ranges:
+            self._cut.at = (reason, time.time_ns())
+
+    def fused(self, seg, fn, inputs, runtime):
+        """A fused region executable runs: one slice on the regions track, lasting until its
+        results are ready."""
+        if not self.ranges:
+            return fn(*inputs, *runtime)
+        start = time.time_ns()
+        result = fn(*inputs, *runtime)
+        self._region(seg, True, start, _block(result))
+        return result
+
+    def interpreted(self, seg, interpret, current, runtime, run_op):
+        """A region segment runs op by op: each op's execution on the executions track, grouped
+        under one slice on the regions track."""
+        if not self.ranges:
+            return interpret(seg.ops, current, runtime, run_op)
+        start = time.time_ns()
+        first = len(self.device_events)
+
+        def traced(exe, bufs, rt):
+            wall = time.time_ns()
+            result = run_op(exe, bufs, rt)
+            self._executed(exe.key[0].short_name, wall, result)
+            return result
+
+        found = interpret(seg.ops, current, runtime, traced)
+        device = next((e[6] for e in self.device_events[first:] if e[6] is not None), None)
+        self._region(seg, False, start, device)
+        return found
+
+    def _region(self, seg, fused, start, device):
+        cut = getattr(self._cut, "at", None)   # None on the overlap worker thread: no flow
+        names = [op[0].key[0].short_name for op in seg.ops]
+        args = {"ops": len(names), "fused": fused, "op_names": names}
+        if cut is not None:
+            args["cut"] = cut[0]
+        self._device("region", f"{'fused' if fused else 'op-by-op'} region ({len(names)} ops)", start,
+                     args, device, start if cut is None else cut[1])
+
     def float64(self, op_name):
         col = self.collector
         if col is not None and op_name not in col.float64_sites:
@@ -252,7 +308,11 @@ class Tracer:
                                    args, device, start_wall if issued is None else issued))
 
     def _executed(self, name, start_wall, result):
-        """An execution's device slice: from its dispatch until its results are ready."""
+        """An execution's device slice: from its dispatch until its results are ready. An op that
+        adaptive eager only recorded has none here: it runs in its region (:meth:`fused`,
+        :meth:`interpreted`)."""
+        if _recorded(result):
+            return
         device = _block(result)
         issued = start_wall
         compiled = self.device_events[-1] if self.device_events else None
@@ -261,10 +321,8 @@ class Tracer:
         self._device("execute", name, start_wall, None, device, issued)
 
 
-def _block(result):
-    """Wait until the device buffers behind ``result``'s neuron tensors are computed; returns the
-    device index of the first one (None if none)."""
-    device = None
+def _buffers(result):
+    """The storage records of ``result``'s neuron tensors, and any bare buffers (jax.Arrays) in it."""
     stack = [result]
     while stack:
         v = stack.pop()
@@ -272,16 +330,29 @@ def _block(result):
             if v.device.type == "neuron":
                 rec = memory.allocator.records.get(v.untyped_storage().data_ptr())
                 if rec is not None:
-                    if device is None:
-                        device = rec.device_index
-                    wait = getattr(rec.buf, "block_until_ready", None)
-                    if wait is not None:
-                        wait()
+                    yield rec, rec.buf
         elif isinstance(v, (tuple, list)):
             stack.extend(v)
         elif hasattr(v, "block_until_ready"):   # a jax.Array (an upload's buffer)
-            v.block_until_ready()
+            yield None, v
+
+
+def _block(result):
+    """Wait until the device buffers behind ``result``'s neuron tensors are computed; returns the
+    device index of the first one (None if none)."""
+    device = None
+    for rec, buf in _buffers(result):
+        if rec is not None and device is None:
+            device = rec.device_index
+        wait = getattr(buf, "block_until_ready", None)
+        if wait is not None:
+            wait()
     return device
+
+
+def _recorded(result) -> bool:
+    """Whether ``result``'s neuron tensors are pending: recorded by adaptive eager, not run yet."""
+    return any(buf is memory.PENDING for _, buf in _buffers(result))
 
 
 _tracer = Tracer()
@@ -375,13 +446,28 @@ def install_hooks() -> None:
         return result
 
     autograd_profiler.profile.export_chrome_trace = export_chrome_trace
+    # prof.events() / key_averages(): PyTorch turns the session's results into FunctionEvents
+    # once, lazily; the lane's measured device times are attached to them then.
+    ensure = autograd_profiler.profile._ensure_function_events
+
+    @functools.wraps(ensure)
+    def ensure_function_events(prof):
+        fresh = prof._function_events is None
+        ensure(prof)
+        if fresh and getattr(prof, "use_device", None) == "neuron" and prof.kineto_results:
+            add_device_times(prof._function_events, list(_tracer.device_events),
+                             prof.kineto_results.trace_start_ns())
+
+    autograd_profiler.profile._ensure_function_events = ensure_function_events
     _hooks_installed = True
 
 
 # -- the device lane ------------------------------------------------------------------------------
 _TRACKS = {"execute": (0, "executions", "neuron::"), "compile": (1, "compiles", "neuron::compile::"),
            "transfer": (2, "host<->device transfers", "neuron::"),
-           "fallback": (3, "CPU fallbacks", "neuron::fallback::")}
+           "fallback": (3, "CPU fallbacks", "neuron::fallback::"),
+           # adaptive eager's region runs; their flow starts in the CPU range that cut the region
+           "region": (4, "regions", None)}
 _LANE_PID = 1 << 24   # the neuron:<i> process of the trace is _LANE_PID + i
 
 
@@ -403,11 +489,26 @@ def device_lane(events: list, base_ns: int, cpu_events: list, pid: int) -> list:
         lane = _LANE_PID + index
         out.append({"ph": "X", "cat": "neuron", "name": name, "pid": lane, "tid": tid, "ts": ts,
                     "dur": max((end - start) / 1000, 0.001), "args": dict(args or {}, device=f"neuron:{index}")})
-        candidates = ranges.get((prefix + name, thread))
-        if not candidates:
-            continue
         at = (issued - base_ns) / 1000   # when the CPU range issued it: inside that range
-        cpu = min(candidates, key=lambda e: (not e["ts"] <= at <= e["ts"] + e.get("dur", 0), abs(e["ts"] - at)))
+        if prefix is None:   # a region: the innermost CPU range of the cutting thread at its cut
+            if "cut" not in (args or {}):
+                continue
+            # (a backward's end cuts in the autograd engine's final callback, outside any range:
+            # then the range that ended last before it, the backward's last op)
+            ranges_on = [e for e in cpu_events if e.get("ph") == "X" and e.get("tid") == thread
+                         and e.get("pid", pid) == pid and e["ts"] <= at]
+            enclosing = [e for e in ranges_on if at <= e["ts"] + e.get("dur", 0)]
+            if enclosing:
+                cpu = min(enclosing, key=lambda e: e.get("dur", 0))
+            elif ranges_on:
+                cpu = max(ranges_on, key=lambda e: e["ts"] + e.get("dur", 0))
+            else:
+                continue
+        else:
+            candidates = ranges.get((prefix + name, thread))
+            if not candidates:
+                continue
+            cpu = min(candidates, key=lambda e: (not e["ts"] <= at <= e["ts"] + e.get("dur", 0), abs(e["ts"] - at)))
         start_ts = min(max(at, cpu["ts"]), cpu["ts"] + cpu.get("dur", 0))
         flow = {"cat": "neuron_flow", "name": "neuron", "id": n + 1}
         out.append({**flow, "ph": "s", "pid": cpu.get("pid", pid), "tid": thread, "ts": start_ts})
@@ -419,6 +520,53 @@ def device_lane(events: list, base_ns: int, cpu_events: list, pid: int) -> list:
         for tid, label, _ in _TRACKS.values():
             out.append({"ph": "M", "name": "thread_name", "pid": lane, "tid": tid, "args": {"name": label}})
     return out
+
+
+def add_device_times(function_events, events: list, base_ns: int) -> None:
+    """Give the session's FunctionEvents the device time the lane measured, as CUDA kernels give
+    theirs (``FunctionEvent.append_kernel``), so ``device_time_total`` / ``self_device_time_total``
+    and ``key_averages().table(sort_by="self_device_time_total")`` show neuron time.
+
+    An execution or transfer counts for the ``neuron::<op>`` range that issued it; one run inside
+    an adaptive region (and a fused region's run) for the CPU range that cut the region, or, where
+    none encloses it (a backward's end), the range that ended last before it. Compiles and CPU
+    fallbacks are host time, and an op-by-op region's slice only groups its ops' executions."""
+    cpu = sorted((e for e in function_events if e.device_type == DeviceType.CPU and not e.is_async),
+                 key=lambda e: e.time_range.start)
+    starts = [e.time_range.start for e in cpu]
+
+    def innermost(at, name=None):
+        """The latest-starting range enclosing ``at`` (named ``name``, if given)."""
+        i = bisect.bisect_right(starts, at)
+        for e in reversed(cpu[max(0, i - 4096):i]):
+            if e.time_range.end >= at and (name is None or e.name == name):
+                return e
+        return None
+
+    for track, name, start, end, _thread, args, device, issued in events:
+        if track in ("compile", "fallback") or (track == "region" and not args["fused"]):
+            continue
+        prefix = _TRACKS[track][2]
+        at = (issued - base_ns) / 1000
+        target = innermost(at, prefix + name) if prefix is not None else None
+        if target is None:
+            began = (start - base_ns) / 1000
+            target = innermost(began)
+            if target is None:
+                i = bisect.bisect_right(starts, began)
+                ended = [e for e in cpu[max(0, i - 4096):i] if e.time_range.end <= began]
+                target = max(ended, key=lambda e: e.time_range.end, default=None)
+        if target is None:
+            continue
+        index = 0 if device is None else device
+        began, ended = (start - base_ns) / 1000, (end - start) / 1000 + (start - base_ns) / 1000
+        target.append_kernel(name, index, ended - began)
+        # and, as a CUDA kernel is, a device event of its own: a row of key_averages(), and what
+        # the table's device time total adds up
+        function_events.append(FunctionEvent(
+            id=target.id, name=name, thread=target.thread, start_us=began, end_us=ended,
+            use_device=target.use_device, device_type=DeviceType.PrivateUse1, device_index=index,
+            trace_name=name, stack=[], input_shapes=[], overload_name=""))
 
 
 def add_device_lane(path: str, events: list) -> None:

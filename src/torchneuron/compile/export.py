@@ -9,8 +9,12 @@ it runs the whole program as one neuron executable (the graph compiler's, cached
 disk like any torch.compile graph), with the weights moved to the device once. The archive stays a
 plain ``.pt2``: ``torch.export.load`` reads it anywhere.
 
-The program runs as exported: static shapes (a new input shape compiles a new executable), and
-buffers the program mutates are updated in the loaded program's own state.
+The program runs as exported: static shapes only. A program exported with ``dynamic_shapes`` is
+refused by ``save`` (no bucket metadata is written yet), and a call with other input shapes than
+the example inputs' raises a ``ValueError`` naming both. Buffers the program mutates are updated in
+the loaded program's own state. ``load`` warns when the manifest's torch / torchneuron versions or
+platform differ from the running ones (the program is compiled again from its graph there), and
+refuses a manifest format it does not know.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import warnings
 
 import torch
 from torch.utils import _pytree as pytree
@@ -65,9 +70,16 @@ class NeuronProgram:
             self.state = {target: _state_value(ep, target).detach().to(self.device)
                           for _, target in self._specs}
         self._program = GraphProgram(ep.graph_module, "inference", config.compile_fallback, name="export")
+        self._shapes = [tuple(t.shape) for t in pytree.tree_leaves(exported_program.example_inputs or ((), {}))
+                        if isinstance(t, torch.Tensor)]
 
     def _run(self, args, kwargs, dump_dir=None):
         flat, _ = pytree.tree_flatten((args, kwargs))
+        shapes = [tuple(a.shape) for a in flat if isinstance(a, torch.Tensor)]
+        if self._shapes and shapes != self._shapes:
+            raise ValueError(f"torchneuron.export: this program was exported for input shapes {self._shapes}, "
+                             f"got {shapes}: artifacts have static shapes (export again with inputs of "
+                             "the new shapes)")
         flat = [a.to(self.device) if isinstance(a, torch.Tensor) else a for a in flat]
         program = self._program
         if dump_dir is not None:
@@ -96,6 +108,11 @@ def save(exported_program, path, *, device="neuron") -> None:
     if not isinstance(exported_program, torch.export.ExportedProgram):
         raise TypeError(f"torchneuron.export.save: expected a torch.export.ExportedProgram, got "
                         f"{type(exported_program).__name__} (make one with torch.export.export(model, args))")
+    if exported_program.range_constraints:
+        raise ValueError("torchneuron.export.save: the program was exported with dynamic_shapes "
+                         f"({', '.join(map(str, exported_program.range_constraints))}); artifacts have "
+                         "static shapes (no bucket metadata yet): export it with example inputs of the "
+                         "shapes to serve")
     program = NeuronProgram(exported_program, device)
     args, kwargs = exported_program.example_inputs or ((), {})
     extra = {}
@@ -122,4 +139,20 @@ def load(path, *, device="neuron") -> NeuronProgram:
     if not manifest:
         raise ValueError(f"torchneuron.export.load: {path} holds no torchneuron manifest (it was not "
                          "written by torchneuron.export.save); torch.export.load reads it as a plain program")
+    _check_manifest(manifest, path)
     return NeuronProgram(ep, device, extra[_PREFIX + "program.stablehlo.mlir"], manifest)
+
+
+def _check_manifest(manifest: dict, path) -> None:
+    """Refuse a manifest format this version cannot read; warn where the artifact was saved under
+    other versions or another platform than this process runs."""
+    if manifest.get("format") != 1:
+        raise ValueError(f"torchneuron.export.load: {path} has manifest format {manifest.get('format')!r}; "
+                         "this torchneuron reads format 1 (save it again with this version)")
+    from .. import __version__  # here: the package's __init__ imports the layers, not they it
+    here = {"torch": torch.__version__, "torchneuron": __version__, "platform": config.platform}
+    differ = [f"{k} {manifest.get(k)!r} (here {v!r})" for k, v in here.items() if manifest.get(k) != v]
+    if differ:
+        warnings.warn(f"torchneuron.export.load: {path} was saved with {', '.join(differ)}: its "
+                      "program is compiled again here from its graph, and its saved StableHLO is "
+                      "kept for reference only", stacklevel=3)

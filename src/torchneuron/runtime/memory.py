@@ -194,6 +194,9 @@ def _span(nbytes: int) -> int:
     return (nbytes + 64) & ~63
 
 
+LARGE_POOL = 1 << 20   # storages over this many bytes count in torch.cuda's large pool, others in its small
+
+
 class _Allocator:
     # Handles live far above any user-space address so they never collide with CPU pointers. Each
     # storage's range is at least one byte longer than the storage, so a view's data_ptr() (at most
@@ -218,6 +221,12 @@ class _Allocator:
         self.num_frees = 0
         self.freed_bytes = {}   # device index -> bytes freed since start
         self.freed_count = {}   # device index -> storages freed since start
+        # The same per (device index, pool): pool True for torch.cuda's large pool (storages over
+        # 1 MiB), False for its small one (memory_api's *.small_pool.* / *.large_pool.* keys).
+        self.pool_bytes = {}
+        self.pool_peak = {}
+        self.pool_freed_bytes = {}
+        self.pool_freed_count = {}
 
     def collect(self) -> None:
         """Account for the storages PyTorch freed since the last call: drop their buffers and their
@@ -241,6 +250,10 @@ class _Allocator:
                     self.allocated[index] -= record.nbytes
                     self.freed_bytes[index] = self.freed_bytes.get(index, 0) + record.nbytes
                     self.freed_count[index] = self.freed_count.get(index, 0) + 1
+                    pool = (index, record.nbytes > LARGE_POOL)
+                    self.pool_bytes[pool] -= record.nbytes
+                    self.pool_freed_bytes[pool] = self.pool_freed_bytes.get(pool, 0) + record.nbytes
+                    self.pool_freed_count[pool] = self.pool_freed_count.get(pool, 0) + 1
                     self.num_frees += 1
                     record.buf = None
                     if history is not None:
@@ -263,6 +276,11 @@ class _Allocator:
             self.allocated[device_index] = used
             if used > self.peak.get(device_index, 0):
                 self.peak[device_index] = used
+            pool = (device_index, nbytes > LARGE_POOL)
+            used = self.pool_bytes.get(pool, 0) + nbytes
+            self.pool_bytes[pool] = used
+            if used > self.pool_peak.get(pool, 0):
+                self.pool_peak[pool] = used
             self.records[addr] = record
         if history is not None:
             history.alloc(addr, nbytes, device_index)

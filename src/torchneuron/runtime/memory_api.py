@@ -3,8 +3,10 @@
 Statistics come from the allocator (``runtime/memory.py``), which gives every storage its own
 device buffer: there is no caching allocator, so reserved memory equals allocated memory, every
 allocation is one segment of one block, and ``empty_cache()`` has no cached blocks to release.
-Counts and bytes match ``torch.cuda.memory_stats()``'s key names for the ``all`` pool
-(``allocated_bytes.all.current``, ``segment.all.peak``, ``num_alloc_retries``...); byte peaks are
+Counts and bytes match ``torch.cuda.memory_stats()``'s key names, for the ``all`` pool and the
+caching allocator's ``small_pool`` (storages of at most 1 MiB) and ``large_pool``, each storage
+counted in the pool its size puts it in (``allocated_bytes.small_pool.current``,
+``segment.all.peak``, ``num_alloc_retries``...); byte peaks are
 exact, count peaks are the largest live count seen when statistics are read (the allocation path
 counts bytes only, to stay cheap).
 
@@ -36,7 +38,6 @@ __all__ = [
 
 _allocator = _memory.allocator
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_LARGE = 1 << 20   # torch.cuda's large-pool threshold (1 MiB)
 
 
 def _index(device) -> int:
@@ -47,24 +48,42 @@ def _index(device) -> int:
 
 # -- statistics -----------------------------------------------------------------------------------
 class _Accumulated:
-    """Per device: the allocator's totals when accumulated statistics were last reset."""
+    """Per (device, pool): the allocator's totals when accumulated statistics were last reset."""
 
     def __init__(self):
-        self.bases: dict = {}   # device index -> (allocated bytes, freed bytes, live, frees)
-        self.count_peak: dict = {}   # device index -> largest live count seen
+        self.bases: dict = {}   # (device index, pool) -> (allocated bytes, freed bytes, live, frees)
+        self.count_peak: dict = {}   # (device index, pool) -> largest live count seen
         self.num_ooms: dict = {}
 
 
 _acc = _Accumulated()
+# torch.cuda.memory_stats()'s pools: all, and its caching allocator's small pool (blocks of at most
+# 1 MiB) and large pool; a storage is in the pool its size puts it in (the allocator's pool flag).
+_POOLS = (("all", None), ("small_pool", False), ("large_pool", True))
 
 
-def _live(index: int) -> tuple[int, int]:
-    """(number of live storages, their bytes) on one device."""
-    n = 0
+def _live(index: int) -> dict:
+    """Pool name -> (number of live storages, their bytes) on one device."""
+    small = large = 0
     for r in list(_allocator.records.values()):
         if r.device_index == index:
-            n += 1
-    return n, _allocator.allocated.get(index, 0)
+            if r.nbytes > _memory.LARGE_POOL:
+                large += 1
+            else:
+                small += 1
+    a = _allocator
+    return {"all": (small + large, a.allocated.get(index, 0)),
+            "small_pool": (small, a.pool_bytes.get((index, False), 0)),
+            "large_pool": (large, a.pool_bytes.get((index, True), 0))}
+
+
+def _since_start(index: int, large) -> tuple[int, int, int]:
+    """(peak bytes, bytes freed, storages freed) of one pool (None: all) since start."""
+    a = _allocator
+    if large is None:
+        return a.peak.get(index, 0), a.freed_bytes.get(index, 0), a.freed_count.get(index, 0)
+    pool = (index, large)
+    return a.pool_peak.get(pool, 0), a.pool_freed_bytes.get(pool, 0), a.pool_freed_count.get(pool, 0)
 
 
 def memory_allocated(device=None) -> int:
@@ -90,9 +109,14 @@ def max_memory_reserved(device=None) -> int:
 
 def reset_peak_memory_stats(device=None) -> None:
     index = _index(device)
-    _allocator.collect()
-    _allocator.peak[index] = _allocator.allocated.get(index, 0)
-    _acc.count_peak[index] = _live(index)[0]
+    a = _allocator
+    a.collect()
+    a.peak[index] = a.allocated.get(index, 0)
+    live = _live(index)
+    for name, large in _POOLS:
+        if large is not None:
+            a.pool_peak[(index, large)] = a.pool_bytes.get((index, large), 0)
+        _acc.count_peak[(index, name)] = live[name][0]
 
 
 def reset_max_memory_allocated(device=None) -> None:
@@ -106,9 +130,11 @@ def reset_max_memory_cached(device=None) -> None:
 def reset_accumulated_memory_stats(device=None) -> None:
     index = _index(device)
     _allocator.collect()
-    live, current = _live(index)
-    _acc.bases[index] = (current, _allocator.freed_bytes.get(index, 0), live,
-                         _allocator.freed_count.get(index, 0))
+    live = _live(index)
+    for name, large in _POOLS:
+        count, current = live[name]
+        _, freed_bytes, freed = _since_start(index, large)
+        _acc.bases[(index, name)] = (current, freed_bytes, count, freed)
     _acc.num_ooms[index] = 0
     _allocator.num_allocs = _allocator.num_frees = 0
 
@@ -121,31 +147,37 @@ def _stat(prefix: str, current: int, peak: int, allocated: int, freed: int, out:
 
 
 def memory_stats(device=None) -> dict:
-    """The statistics ``torch.cuda.memory_stats()`` gives, under the same key names (sorted)."""
+    """The statistics ``torch.cuda.memory_stats()`` gives, under the same key names (sorted), for
+    its three pools: ``all``, ``small_pool`` (storages of at most 1 MiB) and ``large_pool``."""
     index = _index(device)
     a = _allocator
     a.collect()
-    live, current = _live(index)
-    peak_count = max(_acc.count_peak.get(index, 0), live)
-    _acc.count_peak[index] = peak_count
-    base_bytes, base_freed, base_live, base_frees = _acc.bases.get(index, (0, 0, 0, 0))
-    freed_bytes = a.freed_bytes.get(index, 0) - base_freed
-    freed = a.freed_count.get(index, 0) - base_frees
-    allocated_bytes = current - base_bytes + freed_bytes
-    allocations = live - base_live + freed
-    peak_bytes = a.peak.get(index, 0)
+    live_by_pool = _live(index)
     out: dict = {}
-    # No caching allocator: reserved = active = requested = allocated, one segment per allocation.
-    for name in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):
-        _stat(f"{name}.all", current, peak_bytes, allocated_bytes, freed_bytes, out)
-    for name in ("allocation", "segment", "active"):
-        _stat(f"{name}.all", live, peak_count, allocations, freed, out)
-    for name in ("inactive_split_bytes.all", "inactive_split.all", "oversize_allocations",
-                 "oversize_segments"):
+    for pool, large in _POOLS:
+        live, current = live_by_pool[pool]
+        peak_count = max(_acc.count_peak.get((index, pool), 0), live)
+        _acc.count_peak[(index, pool)] = peak_count
+        base_bytes, base_freed, base_live, base_frees = _acc.bases.get((index, pool), (0, 0, 0, 0))
+        peak_bytes, freed_bytes, freed = _since_start(index, large)
+        freed_bytes -= base_freed
+        freed -= base_frees
+        allocated_bytes = current - base_bytes + freed_bytes
+        allocations = live - base_live + freed
+        # No caching allocator: reserved = active = requested = allocated, one segment per allocation.
+        for name in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):
+            _stat(f"{name}.{pool}", current, peak_bytes, allocated_bytes, freed_bytes, out)
+        for name in ("allocation", "segment", "active"):
+            _stat(f"{name}.{pool}", live, peak_count, allocations, freed, out)
+        for name in ("inactive_split_bytes", "inactive_split"):
+            _stat(f"{name}.{pool}", 0, 0, 0, 0, out)
+        if pool == "all":
+            device_allocs, device_frees = allocations, freed
+    for name in ("oversize_allocations", "oversize_segments"):
         _stat(name, 0, 0, 0, 0, out)
     ooms = _memory.num_ooms.get(index, 0) - _acc.num_ooms.get(index, 0)
     out.update({"num_alloc_retries": 0, "num_ooms": ooms, "num_sync_all_streams": 0,
-                "num_device_alloc": allocations, "num_device_free": freed,
+                "num_device_alloc": device_allocs, "num_device_free": device_frees,
                 "max_split_size": -1,
                 # torchneuron's own (all devices): allocations and frees since the last reset.
                 "num_allocs": a.num_allocs, "num_frees": a.num_frees})
@@ -174,8 +206,8 @@ def _format_count(cnt: int) -> str:
 
 
 def memory_summary(device=None, abbreviated: bool = False) -> str:
-    """A table of ``memory_stats()`` laid out as ``torch.cuda.memory_summary()``'s (the ``all``
-    rows: neuron has no large/small pools)."""
+    """A table of ``memory_stats()`` laid out as ``torch.cuda.memory_summary()``'s: per metric the
+    ``all`` row, then (unless ``abbreviated``) its large-pool and small-pool rows."""
     index = _index(device)
     stats = memory_stats(index)
     rows = [("allocated_bytes", "Allocated memory", _format_size),
@@ -193,11 +225,14 @@ def memory_summary(device=None, abbreviated: bool = False) -> str:
              f"  {'':9} OOMs: {stats['num_ooms']:<17d} | {'':6} alloc retries: {stats['num_alloc_retries']:<13d}  ",
              "=" * 75,
              "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  "]
+    pools = [("all", "")] if abbreviated else [("all", ""), ("large_pool", "      from large pool"),
+                                               ("small_pool", "      from small pool")]
     for key, label, fmt in rows:
         lines.append("-" * 75)
-        p = f"{key}.all."
-        cur, peak, alloc, freed = (stats[p + k] for k in ("current", "peak", "allocated", "freed"))
-        lines.append(f" {label:<21.21} | {fmt(cur)} | {fmt(peak)} | {fmt(alloc)} | {fmt(freed)} ")
+        for pool, sub in pools:
+            p = f"{key}.{pool}."
+            cur, peak, alloc, freed = (stats[p + k] for k in ("current", "peak", "allocated", "freed"))
+            lines.append(f" {sub or label:<21.21} | {fmt(cur)} | {fmt(peak)} | {fmt(alloc)} | {fmt(freed)} ")
     lines.append("=" * 75)
     return "|" + "|\n|".join(lines) + "|\n"
 
@@ -341,7 +376,7 @@ def _snapshot(device=None, augment_with_fx_traces: bool = False) -> dict:
         segments.append({
             "device": rec.device_index, "address": addr, "total_size": rec.nbytes,
             "allocated_size": rec.nbytes, "active_size": rec.nbytes, "requested_size": rec.nbytes,
-            "stream": 0, "segment_type": "large" if rec.nbytes > _LARGE else "small",
+            "stream": 0, "segment_type": "large" if rec.nbytes > _memory.LARGE_POOL else "small",
             "segment_pool_id": (0, 0), "is_expandable": False, "frames": frames, "blocks": [block]})
     count = max(pjrt.device_count(), 1)
     traces = [[] for _ in range(count)]

@@ -383,6 +383,9 @@ class Region:
     def flush(self, reason: str) -> None:
         if not self.ops and (self.inflight is None or reason in runs.OVERLAPPING):
             return   # nothing to run; a run in flight goes on
+        tracer = metrics.tracer
+        if tracer is not None:   # a profiler session: the region's slices flow from here
+            tracer.region_cut(reason)
         with self.lock:
             self._join()
             if not self.ops:

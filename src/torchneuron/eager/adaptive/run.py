@@ -52,7 +52,11 @@ def run_region(plan, external, runtime, outcomes):
                     reason = "compiling"
                     compiler.submit(plan, seg, plan.device, [current[sid] for sid in seg.in_sids] + list(rt))
             metrics.region_unfused[reason] += 1
-            found = plans.interpret(seg.ops, current, rt, run_op)
+            tracer = metrics.tracer
+            if tracer is None:
+                found = plans.interpret(seg.ops, current, rt, run_op)
+            else:   # a profiler session: the ops' slices on the neuron lane (torchneuron.profiler)
+                found = tracer.interpreted(seg, plans.interpret, current, rt, run_op)
             if found:
                 start = seg.start
                 outcomes.extend((start + n, outcome) for n, outcome in found)
@@ -66,6 +70,9 @@ def run_fused(plan, seg, fn, inputs, runtime):
     its checked ops' outcomes. If it raises, the ops run one by one instead (an error of theirs is
     the program's, raised as plain eager raises it), and the segment is bisected to fuse what runs."""
     try:
+        tracer = metrics.tracer
+        if tracer is not None:   # a profiler session: the run's slice on the neuron lane
+            return tracer.fused(seg, fn, inputs, runtime)
         return fn(*inputs, *runtime)
     except Exception as err:   # noqa: BLE001 - judged by running the same ops one by one
         current = dict(zip(seg.in_sids, inputs))
