@@ -324,8 +324,9 @@ def render(rows: list[dict], core: list[dict]) -> str:
       "runs on CPU and on neuron and the results are compared. **native**: matched with no CPU fallback "
       "during the op (decompositions into lowered ops count as native); **fallback**: matched, but some "
       "ATen op ran on CPU; **expected**: failed, and `tests/opinfo/expectations.py` gives the reason; "
-      "**fail**: a mismatch or an error nobody explained. Random ops are checked by shape, dtype, range and "
-      "reproducibility under a seed.\n")
+      "**fail**: a mismatch or an error nobody explained. Random ops are checked by shape, dtype, range, "
+      "reproducibility under a seed, and (forward) their distribution: a two-sample Kolmogorov-Smirnov test "
+      "(alpha 1e-3) of values drawn on neuron against values drawn on CPU over 12 or more seeds.\n")
     w("## Targets\n")
     w("| target | measured | goal |")
     w("|---|---|---|")
