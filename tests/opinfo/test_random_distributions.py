@@ -19,22 +19,23 @@ def _first_sample(op):
                 if s.kwargs.get("training", True) and 0 < s.kwargs.get("p", 0.5) < 1)
 
 
-@pytest.mark.parametrize("name", ["normal", "nn.functional.dropout", "exponential"])
-def test_right_draws_pass_and_wrong_ones_fail(name):
+def _calls(name):
+    """The entry's first drawing sample: (sample, its input on neuron, the CPU call, the neuron call)."""
     op = _entry(name)
     sample = _first_sample(op)
     inp, args, kwargs = harness._move(sample, name=name)
+    return (sample, inp, lambda: op(sample.input, *sample.args, **sample.kwargs),
+            lambda: op(inp, *args, **kwargs))
 
-    def cpu():
-        return op(sample.input, *sample.args, **sample.kwargs)
 
-    def neuron():
-        return op(inp, *args, **kwargs)
+@pytest.mark.parametrize("name", ["normal", "nn.functional.dropout", "exponential"])
+def test_right_draws_pass_and_wrong_ones_fail(name):
+    sample, inp, cpu, neuron = _calls(name)
 
     def wrong():       # the right shape and dtype: a wrong spread, or a dropout that never drops
         if name == "nn.functional.dropout":
             return inp / (1 - sample.kwargs.get("p", 0.5))
-        return op(inp, *args, **kwargs) * 0.5
+        return neuron() * 0.5
 
     assert harness._same_distribution(cpu, neuron, sample) is None
     msg = harness._same_distribution(cpu, wrong, sample)
@@ -53,16 +54,11 @@ def test_all_zero_normal_passes_properties_but_fails_the_distribution():
 
 @pytest.mark.parametrize("name", ["nn.functional.dropout2d"])
 def test_dependent_draws_are_compared_per_run(name):
-    op = _entry(name)
-    sample = _first_sample(op)
-    inp, args, kwargs = harness._move(sample, name=name)
-
-    def cpu():
-        return op(sample.input, *sample.args, **sample.kwargs)
+    sample, inp, cpu, neuron = _calls(name)
 
     def never_drops():   # every element kept and scaled: the expectation is right, the spread is not
         return inp / (1 - sample.kwargs.get("p", 0.5))
 
-    assert harness._same_distribution(cpu, lambda: op(inp, *args, **kwargs), sample, dependent=True) is None
+    assert harness._same_distribution(cpu, neuron, sample, dependent=True) is None
     msg = harness._same_distribution(cpu, never_drops, sample, dependent=True)
     assert msg is not None and "per-run" in msg, msg
