@@ -136,7 +136,10 @@ def adaptive(monkeypatch):
 
 
 @pytest.mark.usefixtures("adaptive")
-def test_adaptive_regions_on_the_lane_with_op_counts_and_flows(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["at-the-cut", "overlapped"])
+def test_adaptive_regions_on_the_lane_with_op_counts_and_flows(tmp_path, overlap, monkeypatch):
+    # Overlapped: fused runs on the worker thread flow from the cut on the user's thread.
+    monkeypatch.setattr(torchneuron.config, "adaptive_overlap", overlap)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     cpu_model = copy.deepcopy(model)

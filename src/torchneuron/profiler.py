@@ -245,7 +245,15 @@ class Tracer:
         """A region is cut (a host read, backward end, optimizer step...): its runs' slices flow
         from the CPU range this thread is in now."""
         if self.ranges:
-            self._cut.at = (reason, time.time_ns())
+            self._cut.at = (reason, time.time_ns(), threading.get_native_id())
+
+    def cut_here(self):
+        """This thread's last cut, for a fused run it hands to the overlap worker."""
+        return getattr(self._cut, "at", None)
+
+    def adopt_cut(self, cut):
+        """On the overlap worker: the run that follows flows from ``cut`` (the cutting thread's)."""
+        self._cut.at = cut
 
     def fused(self, seg, fn, inputs, runtime):
         """A fused region executable runs: one slice on the regions track, lasting until its
@@ -277,13 +285,13 @@ class Tracer:
         return found
 
     def _region(self, seg, fused, start, device):
-        cut = getattr(self._cut, "at", None)   # None on the overlap worker thread: no flow
+        cut = getattr(self._cut, "at", None)   # on the overlap worker: the cut it adopted
         names = [op[0].key[0].short_name for op in seg.ops]
         args = {"ops": len(names), "fused": fused, "op_names": names}
         if cut is not None:
             args["cut"] = cut[0]
         self._device("region", f"{'fused' if fused else 'op-by-op'} region ({len(names)} ops)", start,
-                     args, device, start if cut is None else cut[1])
+                     args, device, start if cut is None else cut[1], None if cut is None else cut[2])
 
     def float64(self, op_name):
         col = self.collector
@@ -303,8 +311,9 @@ class Tracer:
         rng.__enter__()
         return rng
 
-    def _device(self, track, name, start_wall, args=None, device=None, issued=None):
-        self.device_events.append((track, name, start_wall, time.time_ns(), threading.get_native_id(),
+    def _device(self, track, name, start_wall, args=None, device=None, issued=None, thread=None):
+        """``thread``: the thread whose CPU range issued it (default: this one)."""
+        self.device_events.append((track, name, start_wall, time.time_ns(), thread or threading.get_native_id(),
                                    args, device, start_wall if issued is None else issued))
 
     def _executed(self, name, start_wall, result):

@@ -103,7 +103,7 @@ class InFlight:
     positions by storage address (in the same order), and its results or error once ``latch`` is
     released."""
 
-    __slots__ = ("latch", "recs", "index", "wanted", "checks", "results", "error")
+    __slots__ = ("latch", "recs", "index", "wanted", "checks", "results", "error", "cut")
 
     def __init__(self, recs, index):
         self.latch = threading.Lock()
@@ -112,6 +112,7 @@ class InFlight:
         self.wanted = set()       # positions of results the region being recorded reads
         self.checks = None        # (ops, their call sites, positions of checked ops) to report at the join
         self.results = self.error = None
+        self.cut = None           # a profiler session: the cut its run's slice flows from
 
 
 class Deferred:
@@ -139,6 +140,9 @@ def overlap(plan, seg, fn, external, runtime, h):
     if _runner is None:
         _runner = threading.Thread(target=_run_loop, name="torchneuron-region-runner", daemon=True)
         _runner.start()
+    tracer = metrics.tracer
+    if tracer is not None:
+        h.cut = tracer.cut_here()
     _runs.put((plan, seg, fn, external, runtime, h))
     return h
 
@@ -146,6 +150,9 @@ def overlap(plan, seg, fn, external, runtime, h):
 def _run_loop():
     while True:
         plan, seg, fn, external, runtime, h = _runs.get()
+        tracer = metrics.tracer
+        if tracer is not None:
+            tracer.adopt_cut(h.cut)
         try:
             h.results = run_fused(plan, seg, fn, external, runtime)   # XLA runs it without the GIL
         except BaseException as err:   # raised in the user's thread when the run is joined
