@@ -49,7 +49,7 @@ from ..runtime import deferred, inputs, layout, memory, rng, sites
 from ..runtime.device import current_device, device_mismatch_error
 from ..runtime.dtypes import device_dtype, jax_dtype
 from ..runtime.inputs import Inputs
-from . import executables
+from . import cache, executables
 from .errors import NodeFailure, meta_of
 from .graph import unboxed
 from .interpreter import _apply, _lookup
@@ -523,11 +523,14 @@ class BucketedProgram:
         tracer = _Trace(self, buckets, specs, len(ins.bufs), len(ins.runtime), exact)
         tracer.__name__ = f"neuron_bucketed_{self.kind}"
         try:
-            _, compiled, _ = executables.compile_traced(tracer, ins.bufs, [*ins.runtime, *sym_inputs])
+            lowered, compiled, _ = executables.compile_traced(tracer, ins.bufs, [*ins.runtime, *sym_inputs])
         except NodeFailure as failure:
             if isinstance(failure.error, NoRule):
                 raise failure.error from None
             raise NoRule(_op_name(failure.node), f"{type(failure.error).__name__}: {failure.error}") from None
+        if self.dump_dir:   # one dump per bucket (torchneuron.export writes them into its artifacts)
+            tag = "_".join(f"{e}-{buckets[e]}" for e in self.symbols)
+            cache.dump(f"{self.name}_{tag}", self.gm, lowered, specs, self.dump_dir)
         metrics.extra["bucketed_graph_compiles"] += 1
         return {"call": compiled, "checks": tracer.checks}
 
