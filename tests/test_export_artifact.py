@@ -127,20 +127,19 @@ def test_load_under_another_manifest_warns_or_refuses(model, tmp_path):
         warnings.simplefilter("always")
         torchneuron.export.load(str(path))
     assert not [w for w in seen if "torchneuron.export" in str(w.message)]   # the same versions: none
-    future = _with_manifest(path, tmp_path / "future.pt2", lambda m: dict(m, format=2))
-    with pytest.raises(ValueError, match="manifest format 2"):
+    future = _with_manifest(path, tmp_path / "future.pt2", lambda m: dict(m, format=3))
+    with pytest.raises(ValueError, match="manifest format 3; this torchneuron reads formats 1, 2"):
         torchneuron.export.load(future)
 
 
-def test_artifacts_have_static_shapes(model, tmp_path):
-    """No variable shapes / bucket metadata in artifacts yet: other lengths than the exported one
-    (two non-round ones here) are refused clearly, as is a dynamic_shapes export."""
+def test_static_artifacts_have_static_shapes(model, tmp_path):
+    """A program exported without dynamic_shapes keeps its shapes: other lengths than the
+    exported one (two non-round ones here) are refused clearly (tests/test_export_dynamic.py
+    covers programs exported with dynamic_shapes)."""
     program = torchneuron.export.load(str(_saved(model, tmp_path, shape=(7, 4))))
+    assert program.manifest["format"] == 1 and "dynamic_dims" not in program.manifest
     torch.testing.assert_close(program(torch.ones(7, 4))[0].cpu(), model(torch.ones(7, 4))[0].detach(),
                                rtol=1e-5, atol=1e-5)
     for n in (5, 13):
         with pytest.raises(ValueError, match=rf"exported for input shapes \[\(7, 4\)\], got \[\({n}, 4\)\]"):
             program(torch.randn(n, 4))
-    dynamic = torch.export.export(model, (torch.randn(7, 4),), dynamic_shapes=({0: torch.export.Dim("n")},))
-    with pytest.raises(ValueError, match="dynamic_shapes"):
-        torchneuron.export.save(dynamic, str(tmp_path / "dyn.pt2"))
