@@ -529,7 +529,7 @@ class BucketedProgram:
                 raise failure.error from None
             raise NoRule(_op_name(failure.node), f"{type(failure.error).__name__}: {failure.error}") from None
         if self.dump_dir:   # one dump per bucket (torchneuron.export writes them into its artifacts)
-            tag = "_".join(f"{e}-{buckets[e]}" for e in self.symbols)
+            tag = "_".join(f"{e}-{'exact' if e in exact else ''}{buckets[e]}" for e in self.symbols)
             cache.dump(f"{self.name}_{tag}", self.gm, lowered, specs, self.dump_dir)
         metrics.extra["bucketed_graph_compiles"] += 1
         return {"call": compiled, "checks": tracer.checks}
