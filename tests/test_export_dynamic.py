@@ -103,6 +103,8 @@ def test_fresh_process_runs_every_length_of_the_range_like_cpu(gpt, artifact, tm
 
 def test_sizes_outside_the_range_and_static_dims_are_refused(artifact):
     program = torchneuron.export.load(str(artifact))
+    assert sorted(p["file"] for p in program.manifest["programs"]) == sorted(program.programs)
+    assert all("func.func" in text for text in program.programs.values())
     for t in (1, MAX + 1):
         with pytest.raises(ValueError, match=rf"input ids dim 1 has size {t}, outside the range \[2, {MAX}\] "
                                              r"of its dynamic size s\d+ .*buckets \[16, 32, 64, 128\]"):

@@ -181,7 +181,11 @@ def _sample(tensors, inputs, dims, bucket_set):
 
 
 class NeuronProgram:
-    """An exported program loaded for neuron: call it like the module it was exported from."""
+    """An exported program loaded for neuron: call it like the module it was exported from.
+
+    ``stablehlo`` is a static artifact's saved StableHLO; ``programs`` maps each bucket program's
+    file in a dynamic artifact to its StableHLO, and ``dims`` lists its dynamic dims (the
+    manifest's ``dynamic_dims``)."""
 
     def __init__(self, exported_program, device="neuron", stablehlo: str = "", manifest: dict | None = None,
                  *, dims: list | None = None, programs: dict | None = None):
