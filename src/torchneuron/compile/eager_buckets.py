@@ -159,11 +159,14 @@ def _shape_free(kernel, specs, statics, storages):
 def _view_free(spec, at, numbers, where):
     if not is_view(spec):
         return spec
-    dtype, sizes, _strides, offset, slot = spec
+    dtype, sizes, strides, offset, slot = spec
     for d, n in enumerate(sizes):
         numbers.append(n)
         where.append((*at, d))
-    return (dtype, len(sizes), slot)
+    # Whether the innermost dim has stride 1 decides how a program reads the view (``box_read``):
+    # a line that runs an op on both kinds (``q @ k.transpose(-2, -1)`` copies q and k^T) learns
+    # which sizes vary for each kind apart, so k^T's head size is not taken for a length.
+    return (dtype, len(sizes), slot, contiguous_tail(sizes, strides) > 0)
 
 
 # -- the eager entry point ------------------------------------------------------------------------------
@@ -271,7 +274,8 @@ def _views_at(kernel, specs):
 
 def _layouts(kernel, specs, dyn_at) -> tuple:
     """Per view: (its row-major trailing dims that are not dynamic, whether it is row-major
-    throughout), what decides how a program reads it (``_row_tail``)."""
+    throughout, whether its innermost dim has stride 1), what decides how a program reads it
+    (``box_read``)."""
     out = []
     for at, s in _views_at(kernel, specs):
         static = 0
@@ -280,18 +284,8 @@ def _layouts(kernel, specs, dyn_at) -> tuple:
                 break
             static += 1
         tail = contiguous_tail(s[1], s[2])
-        out.append((min(tail, static), tail == len(s[1])))
+        out.append((min(tail, static), tail == len(s[1]), tail > 0))
     return tuple(out)
-
-
-def _row_tail(spec, exprs) -> int:
-    """The row-major trailing dims of a view whose sizes are not dynamic (read as whole rows)."""
-    static = 0
-    for e in reversed(exprs):
-        if not isinstance(e, sympy.Integer):
-            break
-        static += 1
-    return min(contiguous_tail(spec[1], spec[2]), static)
 
 
 def _plain_inplace(kernel, planned, values) -> bool:
@@ -596,7 +590,7 @@ class _EagerTrace(_Trace):
                                              e.flat_out_exprs)
                 else:
                     env[ph] = self.read_box(bufs[spec[inputs.SLOT]], spec[0], _shape_exprs(v), offset, strides,
-                                            tail=_row_tail(spec, _shape_exprs(v)))
+                                            tail=contiguous_tail(spec[1], spec[2]))
                 if n == 0:
                     written = (spec, offset, strides)
             else:

@@ -297,10 +297,14 @@ class _Allocator:
         self._watches[addr] = watch
         return tensor
 
-    def new_output(self, out: OutputLayout, buf, device_index: int) -> torch.Tensor:
+    def new_output(self, out: OutputLayout, buf, device_index: int, capacity: int = 0) -> torch.Tensor:
         """A neuron tensor with a precomputed dense layout on a fresh storage holding ``buf``
-        (the per-op hot path: an executable's new outputs)."""
-        addr = self._register(out.nbytes, out.dtype, device_index, buf)
+        (the per-op hot path: an executable's new outputs). ``capacity``: the bytes of a bucketed
+        result's buffer (its bucket's, more than the layout's), counted and keyed by the storage's
+        record; PyTorch's own storage size stays the layout's, as on CPU."""
+        addr = self._register(capacity or out.nbytes, out.dtype, device_index, buf)
+        if capacity:
+            self.records[addr].boxed = True
         raw, base = _scratch()
         _HDR.pack_into(raw, 0, addr, _KDL_EXT_DEV, device_index, out.nd, out.code, out.bits, 1,
                        out.dims_ptr, out.dims_ptr + 8 * out.nd, 0, 0, 0)
@@ -542,9 +546,8 @@ def new_buffer_tensor(buf, dtype: torch.dtype, device_index: int, sizes=None, st
 def new_boxed_tensor(buf, dtype: torch.dtype, device_index: int, sizes, strides) -> torch.Tensor:
     """A neuron tensor with the given layout at the start of ``buf``, a bucketed executable's result
     whose size is its shape bucket's capacity (``StorageRecord.boxed``)."""
-    t = new_buffer_tensor(buf, dtype, device_index, sizes, strides)
-    allocator.records[storage_address(t)].boxed = True
-    return t
+    return allocator.new_output(output_layout(dtype, sizes, strides), buf, device_index,
+                                capacity=int(buf.shape[0]) * dtype.itemsize)
 
 
 def box_capacity(numel: int) -> int:
