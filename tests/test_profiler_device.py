@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity
 
 import torchneuron
@@ -227,3 +228,23 @@ def test_key_averages_carry_neuron_device_time():
     with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as cpu_prof:
         (a @ a).sum().item()
     assert all(r.self_device_time_total == 0 for r in cpu_prof.key_averages())
+
+
+def test_device_time_goes_to_its_op_when_the_clocks_disagree_by_some_ms():
+    # PyTorch's profiler clock and the wall clock the lane reads can be ms apart on a loaded
+    # machine: an execution issued "before" its range still counts for that range, not for the
+    # range that ended before it.
+    def cpu_range(i, name, start, end):
+        return FunctionEvent(id=i, name=name, thread=1, start_us=start, end_us=end, device_type=DeviceType.CPU,
+                             use_device="neuron",
+                             trace_name=name, stack=[], input_shapes=[], overload_name="")
+
+    add = cpu_range(1, "neuron::add.Tensor", 0, 100)
+    mm = cpu_range(2, "neuron::mm", 5_000, 25_000)
+    events = [add, mm]
+    base = 1_000_000_000
+    issued = base + 3_000 * 1000            # 2 ms before the mm range starts
+    lane = [("execute", "mm", issued, issued + 15_000_000, 1, None, 0, issued)]
+    torchneuron.profiler.add_device_times(events, lane, base)
+    assert mm.self_device_time_total == pytest.approx(15_000)
+    assert add.self_device_time_total == 0

@@ -478,6 +478,10 @@ _TRACKS = {"execute": (0, "executions", "neuron::"), "compile": (1, "compiles", 
            # adaptive eager's region runs; their flow starts in the CPU range that cut the region
            "region": (4, "regions", None)}
 _LANE_PID = 1 << 24   # the neuron:<i> process of the trace is _LANE_PID + i
+# How far (us) a lane event's issue time may fall outside the CPU range that issued it: PyTorch's
+# profiler clock (converted from its own time source) and time.time_ns() differ by some us, more
+# on a loaded machine.
+_CLOCK_SLACK_US = 50_000.0
 
 
 def device_lane(events: list, base_ns: int, cpu_events: list, pid: int) -> list:
@@ -511,8 +515,12 @@ def device_lane(events: list, base_ns: int, cpu_events: list, pid: int) -> list:
                 cpu = min(enclosing, key=lambda e: e.get("dur", 0))
             elif ranges_on:
                 cpu = max(ranges_on, key=lambda e: e["ts"] + e.get("dur", 0))
-            else:
-                continue
+            else:   # a cut just before the thread's first range, as the clocks align (_CLOCK_SLACK_US)
+                later = [e for e in cpu_events if e.get("ph") == "X" and e.get("tid") == thread
+                         and e.get("pid", pid) == pid and e["ts"] <= at + _CLOCK_SLACK_US]
+                if not later:
+                    continue
+                cpu = min(later, key=lambda e: e["ts"])
         else:
             candidates = ranges.get((prefix + name, thread))
             if not candidates:
@@ -552,12 +560,25 @@ def add_device_times(function_events, events: list, base_ns: int) -> None:
                 return e
         return None
 
+    def nearest(at, name):
+        """The range named ``name`` closest to ``at``, within ``_CLOCK_SLACK_US``: the profiler's
+        clock and the wall clock the lane reads are aligned only to some microseconds, so under
+        load an issue time can fall just outside its own range."""
+        i = bisect.bisect_right(starts, at + _CLOCK_SLACK_US)
+        best, gap = None, _CLOCK_SLACK_US
+        for e in cpu[max(0, i - 4096):i]:
+            if e.name == name:
+                d = max(e.time_range.start - at, at - e.time_range.end, 0)
+                if d <= gap:
+                    best, gap = e, d
+        return best
+
     for track, name, start, end, _thread, args, device, issued in events:
         if track in ("compile", "fallback") or (track == "region" and not args["fused"]):
             continue
         prefix = _TRACKS[track][2]
         at = (issued - base_ns) / 1000
-        target = innermost(at, prefix + name) if prefix is not None else None
+        target = (innermost(at, prefix + name) or nearest(at, prefix + name)) if prefix is not None else None
         if target is None:
             began = (start - base_ns) / 1000
             target = innermost(began)
