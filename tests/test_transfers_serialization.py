@@ -143,3 +143,35 @@ def test_element_reads_share_one_host_copy_of_the_buffer():
     before = metrics.d2h_copies
     assert [x[i].item() for i in range(10)] == [float(i) for i in range(10)]
     assert metrics.d2h_copies - before <= 2     # one device read, then one copy of the buffer
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: torch.randn(6, 5)[:, 1:4], id="non-contiguous view"),
+    pytest.param(lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last), id="channels_last"),
+    pytest.param(lambda: torch.tensor(3.5), id="0-dim"),
+    pytest.param(lambda: torch.randn(3, 4, dtype=torch.complex64).conj(), id="conjugate bit"),
+    pytest.param(lambda: torch.randn(3, 4).expand(2, 3, 4), id="expanded"),
+    pytest.param(lambda: torch.empty(0, 4), id="empty"),
+])
+def test_upload_keeps_values_layout_rules_and_the_host_tensor_independent(make):
+    # A plain upload takes a direct path (one transfer wrapped as the new tensor); every other
+    # layout takes PyTorch's composite copy: both must give what CPU's .to() gives.
+    c = make()
+    torchneuron.metrics.reset()
+    n = c.to("neuron")
+    assert torchneuron.metrics()["h2d_copies"] == (1 if c.numel() else 0)
+    ref = c.to("cpu", copy=True)
+    assert n.shape == ref.shape and n.stride() == ref.stride() and n.dtype == ref.dtype
+    assert torch.equal(n.cpu().resolve_conj(), ref.resolve_conj())
+    if c.numel() and c.is_contiguous() and not c.is_conj():
+        c.add_(1)   # a later write to the host tensor stays on the host
+        assert torch.equal(n.cpu().resolve_conj(), ref.resolve_conj())
+
+
+def test_upload_with_a_dtype_or_an_unsupported_dtype():
+    c = torch.arange(12).reshape(3, 4)
+    assert_same(c.to("neuron", torch.float32), c.float())
+    with pytest.raises(TypeError, match="not supported on the neuron device"):
+        torch.zeros(3, dtype=torch.float8_e4m3fn).to("neuron")
+    with pytest.raises(RuntimeError, match="neuron"):
+        c.to("neuron:7")

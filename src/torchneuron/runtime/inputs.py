@@ -143,6 +143,15 @@ class Inputs:
         pending adaptive region they depend on runs first), CPU tensors uploaded by the call,
         integers compiled in, floats as runtime values."""
         if isinstance(a, torch.Tensor):
+            try:   # costs nothing unless raised (Python 3.11)
+                addr = a.data_ptr()
+            except RuntimeError:   # no storage (sparse...): the general path says what is wrong
+                addr = None
+            rec = _records.get(addr)
+            if rec is not None and a.nbytes == rec.nbytes and rec.nbytes:
+                # A whole storage from its start (parameters, most activations): the spec of the
+                # general path below, from five attribute reads instead of ten.
+                return (a.dtype, tuple(a.shape), a.stride(), 0, self._graph_slot(a, addr, rec))
             dev = a.device.type
             if dev == "neuron":
                 if a.numel() == 0:
@@ -151,13 +160,7 @@ class Inputs:
                 rec = _records.get(addr)
                 if rec is None:
                     memory.record_of(a)       # raises the freed-storage error
-                if self.device_index is None:
-                    self.device_index = rec.device_index
-                elif rec.device_index != self.device_index:
-                    raise device_mismatch_error(a, self.device_index)
-                slot = self.slots.get(addr)
-                if slot is None:
-                    slot = self._add_storage(addr, rec, memory.empty_buffer(rec))
+                slot = self._graph_slot(a, addr, rec)
                 offset = a.storage_offset()
                 if offset == 0 and a.nbytes == rec.nbytes:
                     return (a.dtype, tuple(a.shape), a.stride(), 0, slot)
@@ -180,6 +183,18 @@ class Inputs:
             self.runtime.append(float(a))
             return float
         return (CONST, a)
+
+    def _graph_slot(self, a, addr, rec) -> int:
+        """The slot of graph input ``a``'s storage (at ``addr``, record ``rec``), its device checked
+        against the call's."""
+        if self.device_index is None:
+            self.device_index = rec.device_index
+        elif rec.device_index != self.device_index:
+            raise device_mismatch_error(a, self.device_index)
+        slot = self.slots.get(addr)
+        if slot is None:
+            slot = self._add_storage(addr, rec, memory.empty_buffer(rec))
+        return slot
 
 
 # -- inside the traced program ---------------------------------------------------------------------
