@@ -207,10 +207,16 @@ def test_first_occurrence_runs_op_by_op_then_fused_once_compiled():
     a = torch.arange(6.0).to("neuron")
     expected = ((torch.arange(6.0) * 2 + 1).relu() * 3).sum().item()
     per_op_runs = []
+
+    def per_op_executables_run():
+        # Compiled now, loaded from this process's persistent cache (an earlier test in the same
+        # worker compiled the same op and layout, then cleared the in-memory cache), or a hit.
+        return m("executables_compiled") + m("eager_cache_loads") + m("cache_hits")
+
     for i in range(4):
-        before = m("executables_compiled") + m("cache_hits")
+        before = per_op_executables_run()
         assert ((a * 2 + 1).relu() * 3).sum().item() == expected
-        per_op_runs.append(m("executables_compiled") + m("cache_hits") - before)
+        per_op_runs.append(per_op_executables_run() - before)
         if i == 1:
             adaptive_mode.wait_for_compiles()
     # Until the fused executable is ready, each occurrence runs the per-op executables plain eager
