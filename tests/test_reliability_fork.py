@@ -55,7 +55,7 @@ def started():
     ("aten::cumsum", lambda x: torch.cumsum(x.reshape(2, 2), 0)),   # one that needs compiling
     ("reading", lambda x: x.tolist()),
     ("allocating", lambda x: torch.empty(3, device="neuron")),
-    ("allocating", lambda x: torch.ones(3).to("neuron")),
+    ("copying to a neuron device", lambda x: torch.ones(3).to("neuron")),   # one upload, no allocation first
     ("synchronize", lambda x: torch.neuron.synchronize()),
 ], ids=["cached-op", "new-op", "read", "empty", "upload", "synchronize"])
 def test_forked_child_raises_like_cuda_instead_of_hanging(started, what, fn):
