@@ -538,3 +538,35 @@ def test_other_backends_never_trace_torchneuron_frames():
     proc = subprocess.run([sys.executable, "-c", _OTHER_BACKENDS], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["ok"], proc.stdout
+
+
+@pytest.mark.parametrize("shapes", ["static", "bucketed"])
+def test_parameters_rewritten_or_replaced_between_compiled_calls(shapes):
+    """A graph keeps its parameters' input specs between calls (runtime/inputs.py, StableStorages):
+    an in-place write, a new tensor assigned with ``.data`` and a freed-and-reallocated weight must
+    all be read as they are at the call."""
+    torchneuron.config.shapes = shapes
+    try:
+        torch.manual_seed(0)
+        cpu = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        dev = copy.deepcopy(cpu).to("neuron")
+        f = torch.compile(dev, backend="neuron", dynamic=shapes == "bucketed")
+        for step, rows in enumerate([5, 7, 5, 9, 7]):
+            x = torch.randn(rows, 8)
+            with torch.no_grad():
+                if step == 1:      # in place: same storage, new buffer
+                    cpu[0].weight.mul_(-2.0)
+                    dev[0].weight.mul_(-2.0)
+                elif step == 2:    # a new storage through .data
+                    w = torch.randn(4, 16)
+                    cpu[2].weight.data = w.clone()
+                    dev[2].weight.data = w.to("neuron")
+                elif step == 3:    # the old storage freed, a new one (maybe at its address) assigned
+                    b = torch.randn(16)
+                    cpu[0].bias.data = b.clone()
+                    dev[0].bias.data = b.to("neuron")
+                    del b
+                got = f(x.to("neuron")).cpu()
+            torch.testing.assert_close(got, cpu(x), rtol=1e-5, atol=1e-5)
+    finally:
+        torchneuron.config.shapes = "static"

@@ -48,7 +48,7 @@ from ..ops.signature import cast, registry_name, signature_for
 from ..runtime import deferred, inputs, layout, memory, rng, sites
 from ..runtime.device import current_device, device_mismatch_error
 from ..runtime.dtypes import device_dtype, jax_dtype
-from ..runtime.inputs import Inputs
+from ..runtime.inputs import Inputs, StableStorages
 from . import cache, executables
 from .errors import NodeFailure, meta_of
 from .graph import unboxed
@@ -329,6 +329,7 @@ class BucketedProgram:
             exprs = _shape_exprs(v) if tensor else ()
             self.input_kinds.append(None if not tensor else "cpu" if v.device.type == "cpu" else "neuron")
             self.input_exprs.append(None if all(_is_static(e) for e in exprs) else exprs)
+        self.stable = StableStorages(self.placeholders)
         self._sizes_memo = {}
         self.positional = set()
         self.steps = []
@@ -475,19 +476,29 @@ class BucketedProgram:
         placeholder: inputs with dynamic sizes are read from their storages as padded boxes (of
         ``boxes[i]`` elements), with their strides and offset as one runtime vector."""
         ins = Inputs()
-        specs = []
+        specs = [None] * len(args)
+        stable = self.stable
+        first = stable.collect(ins, args, _neuron_only)
+        if first is None:
+            rest = range(len(args))
+        else:
+            rest = stable.others
+            for i, spec in zip(stable.positions, first):
+                specs[i] = ("graph", spec)
         graph_arg = ins.graph_arg
-        for kind, a, box in zip(self.input_kinds, args, boxes):
+        kinds = self.input_kinds
+        for i in rest:
+            kind, a, box = kinds[i], args[i], boxes[i]
             if kind is None:
-                specs.append(None)
-            elif box is None:
+                continue
+            if box is None:
                 if kind == "neuron" and a.device.type != "neuron":
                     _refuse_device(a)
-                specs.append(("graph", graph_arg(a)))
+                specs[i] = ("graph", graph_arg(a))
             else:
                 if a.device.type != "neuron":
                     _refuse_device(a)
-                specs.append(("box", box_input(ins, a, box), a.dtype, contiguous_tail(a.shape, a.stride())))
+                specs[i] = ("box", box_input(ins, a, box), a.dtype, contiguous_tail(a.shape, a.stride()))
         return ins, specs
 
     def _output_layouts(self, values):
@@ -600,6 +611,11 @@ class _AtSizes:
     def __init__(self, **fields):
         for k, v in fields.items():
             setattr(self, k, v)
+
+
+def _neuron_only(a):
+    if a.device.type != "neuron":
+        _refuse_device(a)
 
 
 def _refuse_device(a):

@@ -38,6 +38,7 @@ from ..ops.signature import registry_name, signature_for
 from ..runtime import rng, sites, transfers
 from ..runtime.device import current_device
 from ..runtime.executable import Executable
+from ..runtime.inputs import StableStorages
 from . import cache, custom_kernels, executables
 from .errors import NeuronCompileError, NodeFailure, lowering_error, metric_name
 from .foreach import foreach_plan
@@ -87,6 +88,7 @@ class GraphProgram:
         # (JAX's own cache, keyed by the traced program, still applies).
         self.custom_kernels = [k.name for k in custom_kernels.kernels_in(self.steps)]
         self.output_plan = OutputPlan(self.placeholders, self.output_node)
+        self.stable = StableStorages(self.placeholders)
         # Device checks (ops/checks.py) are compiled into the graph as they are set now.
         self.device_checks = config.device_checks
         self.graph_hash = self._hash()
@@ -170,7 +172,7 @@ class GraphProgram:
         args = unboxed(args)
         if self.eager:
             return self._run_eager(args)
-        ins, specs = call_signature(args)
+        ins, specs = call_signature(args, self.stable)
         bufs, runtime, device_index = ins.bufs, ins.runtime, ins.device_index
         if self.random:
             gen = rng.generator(device_index if device_index is not None else current_device())

@@ -15,7 +15,7 @@ import torch
 from ..ops import checks, cpu_dtypes
 from ..runtime import inputs, layout
 from ..runtime.dtypes import cast, cast_and_broadcast, device_dtype, jax_dtype
-from ..runtime.inputs import Inputs
+from ..runtime.inputs import Inputs, StableStorages
 from .custom_kernels import run_auto_functionalized
 from .errors import NodeFailure, meta_of
 from .outputs import static_value
@@ -37,11 +37,20 @@ class Step:
         return sig is not None and sig.lowering.random
 
 
-def call_signature(args):
+def call_signature(args, stable: StableStorages):
     """(the collected buffers, runtime values and device, the specs) of one call's inputs
-    (``runtime/inputs.py``)."""
+    (``runtime/inputs.py``); ``stable`` keeps the specs of the graph's parameters."""
     ins = Inputs()
-    return ins, [ins.graph_arg(a) for a in args]
+    first = stable.collect(ins, args)
+    if first is None:
+        return ins, [ins.graph_arg(a) for a in args]
+    specs = [None] * len(args)
+    for i, spec in zip(stable.positions, first):
+        specs[i] = spec
+    graph_arg = ins.graph_arg
+    for i in stable.others:
+        specs[i] = graph_arg(args[i])
+    return ins, specs
 
 
 class Interpreter:
