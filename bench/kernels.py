@@ -8,8 +8,9 @@ examples/kernel_flash_attention.py: a blockwise causal attention in Pallas), tim
 * the same PyTorch ops on CPU,
 
 for the forward alone and for forward + backward, as the median over repeats of N back-to-back
-calls (each waiting for its result) after a warm-up that compiles everything. Ratios > 1 mean the
-kernel is faster.
+calls (each waiting for its result) after a warm-up that compiles everything; the three configs
+are timed round by round with a 0.5 s pause before each (bench/compile.py's settle pause). Ratios
+> 1 mean the kernel is faster.
 
     .venv/bin/python bench/kernels.py [--calls 20] [--repeats 5]
 
@@ -46,16 +47,24 @@ def _block(out):
         torch.neuron.synchronize()
 
 
-def _median_ms(fn, calls, repeats):
-    _block(fn())
-    _block(fn())                        # warm-up: compiles every executable
-    samples = []
+def _interleaved_ms(fns, calls, repeats):
+    """Median milliseconds per call of each of ``fns``, timed round by round (every config once a
+    round, so the machine's drift hits all alike) after a warm-up that compiles every executable.
+    Each call waits for its result: latency per call, as CPU PyTorch's. Before each timing the
+    previous config's worker threads (PyTorch's OpenMP team, XLA's pool) get 0.5 s to stop
+    spinning, as in bench/compile.py: otherwise they take cores from the config timed next."""
+    for fn in fns:
+        _block(fn())
+        _block(fn())
+    samples = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            _block(fn())   # each call waits for its result: latency per call, as CPU PyTorch's
-        samples.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(samples)
+        for fn, out in zip(fns, samples):
+            time.sleep(0.5)
+            start = time.perf_counter()
+            for _ in range(calls):
+                _block(fn())
+            out.append((time.perf_counter() - start) / calls * 1e3)
+    return [statistics.median(s) for s in samples]
 
 
 def _cases(device, make_inputs, kernel, composite):
@@ -98,8 +107,10 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
+    from torchneuron.runtime import pjrt
     print(f"load average {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} cores; "
-          f"platform {torchneuron.config.platform}, torch {torch.__version__}")
+          f"platform {torchneuron.config.platform}, torch {torch.__version__}; torch threads "
+          f"{torch.get_num_threads()}, {pjrt.describe_intra_op_pool()}; configs timed round by round")
     rms = kernel_rms_norm.rms_norm
     fa = kernel_flash_attention.flash_attention
     benches = [
@@ -113,9 +124,8 @@ def main() -> None:
         neuron = _cases("neuron", make_inputs, kernel, composite)
         cpu = _cases("cpu", make_inputs, kernel, composite)
         for what in ("forward", "forward+backward"):
-            t_kernel = _median_ms(neuron[what][0], args.calls, args.repeats)
-            t_composite = _median_ms(neuron[what][1], args.calls, args.repeats)
-            t_cpu = _median_ms(cpu[what][1], args.calls, args.repeats)
+            t_kernel, t_composite, t_cpu = _interleaved_ms(
+                [neuron[what][0], neuron[what][1], cpu[what][1]], args.calls, args.repeats)
             print(f"{name:28s} {what:17s} {t_kernel:10.3f} {t_composite:13.3f} {t_cpu:13.3f} "
                   f"{t_composite / t_kernel:12.2f}x {t_cpu / t_kernel:7.2f}x")
     m = torchneuron.metrics()

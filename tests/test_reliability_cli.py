@@ -170,6 +170,33 @@ def test_graph_breaks_of_other_backends_are_not_counted():
     assert torchneuron.metrics()["graph_breaks"] == {}
 
 
+class _UnhashableBackend:
+    """A backend object as Inductor's is (``_TorchCompileInductorWrapper`` defines ``__eq__`` and no
+    ``__hash__``): the graph-break counter met it with ``in set()`` and failed the user's compile."""
+
+    __hash__ = None
+
+    def __eq__(self, other):
+        return self is other
+
+    def __call__(self, gm, example_inputs):
+        return gm.forward
+
+
+def test_graph_breaks_of_an_unhashable_backend_compile_and_are_not_counted():
+    def f(x):
+        y = x * 2
+        if y.sum() > 0:
+            return y + 1
+        return y - 1
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: x + 1, backend="neuron")(torch.ones(2, device="neuron"))   # hooks installed
+    out = torch.compile(f, backend=_UnhashableBackend())(torch.ones(3))
+    torch.testing.assert_close(out, f(torch.ones(3)))
+    assert torchneuron.metrics()["graph_breaks"] == {}
+
+
 def test_readiness_report_counts_the_breaks_of_the_first_compiled_frame():
     # The report's tracer imports torchneuron.compile before Dynamo is loaded: the counter must
     # still be in place when Dynamo traces its first frame.

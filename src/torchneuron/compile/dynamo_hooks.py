@@ -30,7 +30,9 @@ def _compiles_for_neuron(tx) -> bool:
     except Exception:  # noqa: BLE001 - not a frame being traced
         return False
     fn = getattr(fn, "compiler_fn", fn)
-    return fn in _backends
+    # By identity: other backends need not be hashable (Inductor's wrapper is not), and a frame
+    # they compile must never fail in this hook.
+    return any(fn is backend for backend in _backends)
 
 
 def _counting_log_graph_break(log_graph_break):
@@ -79,13 +81,13 @@ class _CountOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 # The functions that are the neuron backend (the entry point's and the compiler's), as ``install``
 # was given them: the hooks recognise neuron frames without importing the modules that define them.
-_backends: set = set()
+_backends: list = []
 
 
 def install(backend=None) -> None:
     """Install the hooks; ``backend``: a function Dynamo may hold as the neuron backend."""
-    if backend is not None:
-        _backends.add(backend)
+    if backend is not None and not any(backend is b for b in _backends):
+        _backends.append(backend)
     skip_own_frames()
     module = sys.modules.get(_SYMBOLIC_CONVERT)
     if module is not None:
