@@ -203,11 +203,17 @@ def parse(argv=None):
 def main():
     argv = sys.argv[1:]
     args = parse(argv)
+    # XLA:CPU flushes subnormals to zero (docs/reliability.md); CPU PyTorch keeps them, and this
+    # loop trains on one fixed batch, whose gradients go subnormal after ~10 steps: CPU's backward
+    # matmuls then slow 16x (both CPU configs' train steps, 13x their forward). Flushed on both
+    # sides, the CPU configs time the arithmetic, as neuron's do.
+    torch.set_flush_denormal(True)
     tokens = args.batch * args.seq
     print(f"GPT: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, seq {args.seq}, "
           f"batch {args.batch}, vocab {args.vocab}; torch {torch.__version__}, torchneuron "
           f"{torchneuron.__version__}, jax {__import__('jax').__version__}, torch threads "
-          f"{torch.get_num_threads()}, XLA CPU pool threads {pjrt.describe_intra_op_pool()}")
+          f"{torch.get_num_threads()}, XLA CPU pool threads {pjrt.describe_intra_op_pool()}; subnormals "
+          f"flushed to zero on both sides")
     if not args.only_cold_warm:
         cfgs = configs(args)
         results = {}

@@ -294,3 +294,22 @@ def test_embedding_max_norm_renormalises_rows_in_eager_and_compiled_graphs():
         torch.testing.assert_close(eager[0].weight.detach().cpu(), cpu[0].weight.detach())
         torch.testing.assert_close(compiled_module[0].weight.detach().cpu(), cpu[0].weight.detach())
     assert not torchneuron.metrics()["fallbacks"]
+
+
+def test_subnormals_are_flushed_to_zero_as_cpu_with_flush_denormal():
+    # XLA:CPU runs with flush-to-zero / denormals-are-zero (docs/reliability.md): float32 values
+    # under 1.18e-38 read and come out as zero, as CPU PyTorch under torch.set_flush_denormal(True).
+    x = torch.tensor([1e-39, -3e-40, 1e-30, 2.0])
+    w = torch.full((4, 4), 1e-39)
+    out = (x.to("neuron") * 1.5).cpu()
+    mm = (w.to("neuron") @ torch.eye(4).to("neuron")).cpu()
+    default = x * 1.5
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        flushed, flushed_mm = x * 1.5, w @ torch.eye(4)
+    finally:
+        torch.set_flush_denormal(False)
+    torch.testing.assert_close(out, flushed, rtol=0, atol=0)
+    torch.testing.assert_close(mm, flushed_mm, rtol=0, atol=0)
+    assert out[0] == 0 and default[0] != 0 and out[2] == default[2]
