@@ -207,3 +207,23 @@ def test_a_missing_cache_folder_is_an_error_that_says_where(tmp_path, capsys):
     assert f"no cache folder at {missing}" in capsys.readouterr().err
     assert cli.main(["cache", "verify", "--cache-dir", str(tmp_path)]) == 2
     assert "give the command to run after --" in capsys.readouterr().err
+
+
+def test_a_file_removed_while_the_folder_is_scanned_is_skipped(tmp_path, monkeypatch):
+    # Processes share a cache folder: a file listed by os.walk may be gone before its size is read
+    # (two torchrun ranks running `torchneuron doctor`: one rank's write probe vanished under the
+    # other's scan, which failed with FileNotFoundError).
+    (tmp_path / "jit_kept-0123").write_bytes(b"x" * 10)
+    (tmp_path / "jit_gone-4567").write_bytes(b"y" * 20)
+    (tmp_path / (cache_tools.DOCTOR_PROBE_PREFIX + "abc")).write_bytes(b"probe")
+    getsize = os.path.getsize
+
+    def removed_meanwhile(path):
+        if os.path.basename(path) == "jit_gone-4567":
+            os.remove(path)
+        return getsize(path)
+
+    monkeypatch.setattr(cache_tools.os.path, "getsize", removed_meanwhile)
+    found = cache_tools.scan(str(tmp_path))
+    assert found["entries"][cache_tools.JAX_FILES] == 1, found
+    assert found["bytes"] == 10, found

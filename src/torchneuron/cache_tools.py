@@ -29,6 +29,7 @@ MANIFEST = "torchneuron-cache.json"
 _PREFIX = "cache/"
 KINDS = ("eager", "graphs")      # the store's folders
 JAX_FILES = "jax"                # files of JAX's compilation cache, at the top of the folder
+DOCTOR_PROBE_PREFIX = ".doctor-probe-"   # `torchneuron doctor`'s write probe: no cache file
 _MANIFEST_FORMAT = 1
 
 # Exit statuses of `torchneuron cache verify`: every executable was served / some were compiled /
@@ -52,7 +53,7 @@ def _kind_of(relpath: str) -> str | None:
     """The kind of a cache file by its path in the folder, or None for what is not cache content
     (half-written entries, an unpack in progress)."""
     parts = relpath.split("/")
-    if parts[-1].endswith(".tmp") or parts[0].startswith(".unpack-"):
+    if parts[-1].endswith(".tmp") or parts[0].startswith((".unpack-", DOCTOR_PROBE_PREFIX)):
         return None
     if len(parts) == 2 and parts[0] in KINDS and parts[1].endswith(".tnexe"):
         return parts[0]
@@ -72,8 +73,15 @@ def _cache_files(directory: str, skip: str | None = None):
                 continue
             rel = os.path.relpath(path, directory).replace(os.sep, "/")
             kind = _kind_of(rel)
-            if kind is not None:
-                found.append((rel, kind, os.path.getsize(path)))
+            if kind is None:
+                continue
+            try:
+                size = os.path.getsize(path)
+            except FileNotFoundError:
+                # Removed since the listing: another process shares the folder (a writer renaming
+                # its temporary file, `torchneuron doctor`'s write probe on another rank).
+                continue
+            found.append((rel, kind, size))
     return found
 
 

@@ -142,7 +142,7 @@ def check_cache(directory: str) -> dict:
     existed = os.path.isdir(path)
     try:
         os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".doctor-probe-") as probe:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=cache_tools.DOCTOR_PROBE_PREFIX) as probe:
             probe.write(b"probe")
             probe.flush()
     except OSError as err:
