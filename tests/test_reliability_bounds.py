@@ -1,6 +1,7 @@
 """Indexing: CPU index tensors and masks work on neuron tensors as on CUDA, and indices out of
 range raise as on CPU instead of returning clamped values or silently doing nothing."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -252,3 +253,33 @@ def test_masked_scatter_with_too_small_a_source_raises_like_cpu(monkeypatch):
         dest.to("neuron").masked_scatter_(mask.to("neuron"), torch.zeros(2, device="neuron"))
     ok = dest.to("neuron").masked_scatter_(mask.to("neuron"), torch.arange(3.0, device="neuron"))
     assert ok.cpu().tolist() == [1.0, 2.0, 3.0, 4.0, 0.0, 6.0, 1.0, 8.0, 2.0, 10.0]
+
+
+def test_pending_checks_start_every_copy_before_reading_one(monkeypatch):
+    """At a synchronisation point the outcomes of all checked ops are copied to the host together:
+    the program waits for the device once, not once per op (each read is a sync on a GPU)."""
+    from torchneuron.runtime import deferred
+
+    events = []
+    real = np.asarray
+
+    class Outcome:   # stands for a device array: records when its copy starts and when it is read
+        def __init__(self, k, outcome):
+            self.k, self.outcome = k, outcome
+
+        def copy_to_host_async(self):
+            events.append(("copy", self.k))
+
+        def __array__(self, dtype=None, copy=None):
+            events.append(("read", self.k))
+            return real(self.outcome)
+
+    x = _X.to("neuron")
+    for k in range(3):
+        x.index_select(0, _I([k]).to("neuron"))
+    taken = list(deferred._pending)
+    deferred.clear()
+    for k, (outcome, checks, site) in enumerate(taken):
+        deferred.defer(Outcome(k, outcome), checks, site)
+    deferred.raise_pending()
+    assert events == [("copy", 0), ("copy", 1), ("copy", 2), ("read", 0), ("read", 1), ("read", 2)]

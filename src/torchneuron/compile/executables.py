@@ -9,12 +9,11 @@ from __future__ import annotations
 import hashlib
 import time
 
-import jax
 import torch
 
 from ..config import config
 from ..metrics import metrics
-from ..runtime import executable_store, pjrt
+from ..runtime import donation, executable_store, pjrt
 from ..runtime.executable import Executable
 from . import cache
 
@@ -57,6 +56,7 @@ def cached(graph_hash, key, device_index, need_trace: bool):
     exe = Executable(compiled, meta["name"], tuple(meta["writes"]), config.device_checks,
                      tuple(meta.get("checks", ())), n_new=meta["n_new"], n_host=meta["n_host"],
                      host_writes=tuple(meta["host_writes"]))
+    exe.donated = donation.donated_slots(compiled)
     if executable_store.logging_lookups():
         executable_store.log("served", "graphs", meta.get("what") or meta["name"])
     _shared[shared_key] = exe
@@ -67,13 +67,17 @@ def cached(graph_hash, key, device_index, need_trace: bool):
 BUCKETED = "bucketed graphs are kept in JAX's compilation cache only, which had no entry for this one"
 
 
-def compile_traced(fn, bufs, runtime, index=None, not_indexed=BUCKETED):
+def compile_traced(fn, bufs, runtime, index=None, not_indexed=BUCKETED, donate=False):
     """(lowered, compiled, persistent-cache hits) of ``fn`` traced on the call's inputs; the time
     it takes is counted as compile time. ``index`` is the (graph hash, input signature, device)
-    the graph index was asked for, None when it was not asked (``not_indexed`` says why)."""
+    the graph index was asked for, None when it was not asked (``not_indexed`` says why). With
+    ``donate``, the buffers of the storages ``fn.writes`` names (known once traced) are donated:
+    the caller makes them private before each call (``runtime/donation.py``)."""
     start = time.perf_counter()
     with cache.graph_compile_context() as hits:
-        lowered = jax.jit(fn).lower(*bufs, *runtime)
+        # The storages the graph writes (parameters and optimizer state in a training step, a KV
+        # cache) donate their buffers: XLA updates them in place.
+        lowered = donation.lower(fn, [*bufs, *runtime], lambda traced: traced.writes if donate else ())
         compiled = lowered.compile()
     seconds = time.perf_counter() - start
     metrics.compile_seconds += seconds

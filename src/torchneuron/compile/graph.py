@@ -35,7 +35,7 @@ from ..config import config
 from ..metrics import metrics
 from ..ops import devices, oprecord
 from ..ops.signature import registry_name, signature_for
-from ..runtime import rng, sites, transfers
+from ..runtime import donation, rng, sites, transfers
 from ..runtime.device import current_device
 from ..runtime.executable import Executable
 from ..runtime.inputs import StableStorages
@@ -188,6 +188,8 @@ class GraphProgram:
                     if exe is None:            # fell back to eager
                         return self._run_eager(args)
                     self.executables[key] = exe
+        if exe.donated:   # the storages it writes are updated in place
+            donation.make_private(bufs, exe.donated, device_index)
         results = exe.call(*bufs, *runtime)
         if self.custom_kernels:
             metrics.custom_kernel_calls.update(self.custom_kernels)
@@ -235,7 +237,7 @@ class GraphProgram:
             lowered, compiled, jax_cache_hits = executables.compile_traced(
                 fn, bufs, runtime, index=None if need_trace else (self.graph_hash, key, device_index),
                 not_indexed="graphs with custom kernels, or dumped graphs, are looked up in JAX's "
-                            "compilation cache only, which had no entry for this one")
+                            "compilation cache only, which had no entry for this one", donate=True)
         except NodeFailure as failure:
             err = lowering_error(failure.node, self.kind, f"{type(failure.error).__name__}: {failure.error}")
             if self.fallback == "eager":
@@ -247,6 +249,7 @@ class GraphProgram:
         exe = Executable(compiled, name, fn.writes, self.device_checks, fn.checks,
                          n_new=len(self.output_plan.buffers), n_host=len(self.output_plan.host_outputs),
                          host_writes=fn.host_writes)
+        exe.donated = donation.donated_slots(compiled)
         if not jax_cache_hits:
             metrics.custom_kernel_compiles.update(set(self.custom_kernels))
         executables.remember(self.graph_hash, key, device_index, exe, compiled, from_jax_cache=bool(jax_cache_hits),

@@ -40,6 +40,7 @@ from ..ops.signature import (
 )
 from ..runtime import memory, rng, sites
 from ..runtime.device import DeviceMismatch, current_device
+from ..runtime.donation import make_private
 from ..runtime.inputs import Inputs
 from . import argument_checks
 from .key import PLAIN_STATIC, compile_reason, freeze
@@ -149,6 +150,8 @@ class Kernel(Planning, OpSignature):
             results = self.first_call(exe, ctx.bufs, ctx.runtime, values, ctx.device_index)
         else:
             metrics.cache_hits += 1
+            if exe.donated:   # an in-place op updates its storages' buffers where they are
+                make_private(ctx.bufs, exe.donated, ctx.device_index)
             results = exe.call(*ctx.bufs, *ctx.runtime)
         return self._finish(exe, results, values, ctx)
 

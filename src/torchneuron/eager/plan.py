@@ -21,7 +21,7 @@ from ..metrics import metrics
 from ..ops import checks, cpu_dtypes
 from ..ops.registry import InvalidArguments, NotImplementedForDtype
 from ..ops.signature import OPT_TENSOR_LIST, TENSOR_LIST
-from ..runtime import executable_store, inputs, layout, memory, pjrt
+from ..runtime import donation, executable_store, inputs, layout, memory, pjrt
 from ..runtime.device import current_device, device_mismatch_error
 from ..runtime.dtypes import device_dtype, dtype_name, jax_dtype, torch_dtype
 from ..runtime.executable import Executable
@@ -73,6 +73,8 @@ class Planning:
             promote_dtype = self.promotion_dtype(values, new_meta)
         traced = Traced(self, specs, values, out_specs, write_targets, writes, promote_dtype, ctx)
         exe = Executable(None, self.short_name, writes, traced.mode, traced=traced, out_specs=out_specs)
+        # The storages it writes donate their buffers: XLA updates them where they are.
+        exe.donated = donation.argnums(writes)
         exe.aliased = aliased
         exe.single = (not writes and len(out_specs) == 1 and out_specs[0] is not None
                       and not self.returns_list and self.return_sources == [None])
@@ -166,10 +168,12 @@ class Planning:
             # be stored in the entry's metadata (``store`` below) and restored here.
             exe.call = loaded[0]
             exe.traced.checks = tuple(loaded[1].get("checks", ()))   # pickled with the entry
+            exe.donated = donation.donated_slots(exe.call)
             exe.split_single()
             metrics.eager_cache_loads += 1
             if executable_store.logging_lookups():
                 executable_store.log("served", "eager", describe(exe.key))
+            donation.make_private(bufs, exe.donated, device_index)
             results = exe.call(*bufs, *runtime)
             metrics.compile_seconds += time.perf_counter() - start
             return results
@@ -180,7 +184,9 @@ class Planning:
 
         # Results live on the op's device even when no input buffer pins it (factories, ops that
         # overwrite their only input).
-        jitted = jax.jit(run, out_shardings=sharding(device_index))
+        jitted = jax.jit(run, out_shardings=sharding(device_index), donate_argnums=exe.donated)
+        donation.make_private(bufs, exe.donated, device_index)
+        args = donation.shapes_of([*bufs, *runtime]) if exe.donated and name is not None else None
         # The first call traces and compiles; later calls take jit's C++ dispatch fast path.
         # JAX's own persistent cache stays out of it: what it loads cannot be stored again.
         with jax_config.enable_compilation_cache(False):
@@ -195,7 +201,9 @@ class Planning:
                 self.raise_call_error(values, err)
             if name is not None:
                 # The executable jit just compiled (its lowering and compile are cached in memory).
-                executable_store.store("eager", name, lambda: jitted.lower(*bufs, *runtime).compile(),
+                # (lowered on the arguments' shapes: the call deleted the buffers it donated)
+                executable_store.store("eager", name,
+                                       lambda: jitted.lower(*(args or [*bufs, *runtime])).compile(),
                                        {"op": self.short_name, "checks": traced.checks}, describe(exe.key))
         if executable_store.logging_lookups():
             executable_store.log("compiled", "eager", describe(exe.key),

@@ -16,7 +16,8 @@ _records = memory.allocator.records
 
 class Executable:
     __slots__ = ("call", "name", "key", "reason", "writes", "check_mode", "_checks", "traced", "out_specs",
-                 "outputs", "single", "single_checked", "aliased", "n_new", "n_host", "host_writes", "boxed")
+                 "outputs", "single", "single_checked", "aliased", "n_new", "n_host", "host_writes", "boxed",
+                 "donated")
 
     def __init__(self, call, name, writes=(), check_mode="off", checks=(), *, traced=None, out_specs=(),
                  n_new=None, n_host=0, host_writes=()):
@@ -44,6 +45,9 @@ class Executable:
         # Bucketed eager ops: results are buffers of their bucket's capacity, wrapped with the
         # true layouts of ``out_specs`` (compile/eager_buckets.py).
         self.boxed = False
+        # Input slots whose buffers the program donates (runtime/donation.py): a call first makes
+        # sure nothing else refers to them.
+        self.donated = ()
 
     @property
     def checks(self):

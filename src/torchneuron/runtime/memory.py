@@ -473,8 +473,21 @@ def _zeros(numel: int, dtype: torch.dtype, device_index: int):
     if buf is None:
         if len(_shared_zeros) >= 256:
             _shared_zeros.clear()
+            _shared_zero_ids.clear()
         buf = _shared_zeros[key] = jax_put(np.zeros(numel, dtype=jax_dtype(dtype)), device_index)
+        _shared_zero_ids.add(id(buf))
     return buf
+
+
+_shared_zero_ids: set = set()
+
+
+def private_zeros(buf, device_index: int):
+    """A zero buffer of its own for a storage about to be written whose buffer is a shared zero
+    one (a small upload: cheaper than a copy on the device), else None."""
+    if id(buf) not in _shared_zero_ids:
+        return None
+    return jax_put(np.zeros(buf.shape, dtype=buf.dtype), device_index)
 
 
 def pjrt_device(device_index: int):

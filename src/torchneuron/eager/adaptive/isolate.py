@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from ...metrics import metrics
-from ...runtime import sites
+from ...runtime import donation, sites
 from . import plans
 
 # Most fused compiles one bisection may spend (each probe is one): past it, what is left unresolved
@@ -36,6 +36,8 @@ def _reference_op(exe, bufs, runtime):
     call = exe.call
     if call is None:   # not run alone yet in this process: compiled for this probe only
         call = jax.jit(exe.traced)
+    else:              # the probe keeps the buffers before each op: the op must not donate them
+        bufs = donation.keep_inputs(exe, bufs, exe.key[4])
     return call(*bufs, *runtime)
 
 

@@ -8,7 +8,7 @@ import threading
 
 from ...config import config
 from ...metrics import metrics
-from ...runtime import memory
+from ...runtime import donation, memory
 from . import compiler, plans
 
 
@@ -86,9 +86,10 @@ def run_op(exe, bufs, runtime):
     call = exe.call
     if call is None:
         k = exe.key[0]
-        return k.first_call(exe, bufs, runtime, (), exe.key[4])
+        return k.first_call(exe, donation.keep_inputs(exe, bufs, exe.key[4]), runtime, (), exe.key[4])
     metrics.cache_hits += 1
-    return call(*bufs, *runtime)
+    # The region keeps its table of buffers: the op must not donate them.
+    return call(*donation.keep_inputs(exe, bufs, exe.key[4]), *runtime)
 
 
 # -- fused runs overlapping the program ----------------------------------------------------------
