@@ -170,3 +170,14 @@ def test_check_preflight_stops_before_the_script(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"FAIL  cache folder     {blocker} is a file, not a folder" in proc.stdout
     assert "the preflight failed" in proc.stderr and not marker.exists()
+
+
+def test_versions_warn_off_the_pinned_stack_naming_what_differs():
+    pinned = {"python": "3.11.9", "torch": "2.13.0+cpu", "jax": "0.10.2", "jaxlib": "0.10.2",
+              "numpy": "2.0", "torchneuron": "0"}
+    assert doctor.check_versions(pinned)["status"] == "ok"
+    older = dict(pinned, python="3.12.1", torch="2.11.0+cu130")
+    result = doctor.check_versions(older, ["_foreach_mm.default"])
+    assert result["status"] == "warn" and result["absent_lowerings"] == ["_foreach_mm.default"]
+    assert "python 3.12.1 (pinned 3.11)" in result["detail"] and "torch 2.11.0+cu130 (pinned 2.13.0)" in result["detail"]
+    assert "jax 0.10.2 (pinned" not in result["detail"] and "Tested combinations" in result["fix"]

@@ -20,7 +20,7 @@ _ROOT = os.path.dirname(os.path.abspath(torchneuron.__file__))
 # Layers, lowest first: a package (or top-level module) may import only from its own layer or
 # those below. The settings, the counters and the seams are below everything; the package's own
 # __init__ (which registers the device) is above everything.
-_LAYERS = {"config": -1, "metrics": -1, "seams": -1,
+_LAYERS = {"config": -1, "metrics": -1, "seams": -1, "versions": -1,
            "runtime": 0, "ops": 1, "eager": 2, "kernels": 2, "compile": 3, "distributed": 3, "integrations": 3,
            "profiler": 4, "where": 4, "shape_warmup": 4, "report": 5, "cache_tools": 5, "cli": 6, "__main__": 7}
 

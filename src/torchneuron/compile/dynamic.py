@@ -42,7 +42,7 @@ from torch.utils._sympy.functions import FloorDiv, Mod
 
 from ..config import config
 from ..metrics import metrics
-from ..ops import checks
+from ..ops import checks, precision
 from ..ops import dynamic as dyn
 from ..ops.signature import cast, registry_name, signature_for
 from ..runtime import deferred, inputs, layout, memory, rng, sites
@@ -388,6 +388,9 @@ class BucketedProgram:
             if isinstance(out, torch.fx.Node) and isinstance(out.meta.get("val"), torch.SymFloat | torch.SymBool):
                 raise NoRule("output", "a SymFloat/SymBool output")
         self.random = any(sig is not None and sig.lowering.random for _, _, sig, _ in self.steps)
+        # PyTorch's float32 precision settings the matmuls and convolutions are traced with (key part).
+        self.precision_readers = precision.readers(sig.lowering.precision for _, _, sig, _ in self.steps
+                                                   if sig is not None)
         self._plan_outputs()
 
     def _fall_back(self, err: NoRule):
@@ -426,7 +429,7 @@ class BucketedProgram:
         # it reads (runtime/inputs.py); true sizes, strides and view offsets are runtime inputs.
         # A size not yet varied is compiled in as a constant (no mask, no gather on it): marked in
         # the key, so a bucket of the same size does not take its executable.
-        key = (at.bucket_key, tuple(specs), tuple(ins.storages))
+        key = (at.bucket_key, tuple(specs), tuple(ins.storages), *precision.settings(self.precision_readers))
         sym_inputs = list(at.sizes)
         if self.random:
             gen = rng.generator(device_index if device_index is not None else current_device())

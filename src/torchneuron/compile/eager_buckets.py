@@ -209,7 +209,7 @@ def _bucketed(kernel, key, values, specs, ctx, planned):
     free_specs, free_statics, numbers, where = _shape_free(kernel, specs, key[2], key[3])
     if not numbers:
         return planned
-    signature = (kernel, free_specs, free_statics, key[4], key[5])
+    signature = (kernel, free_specs, free_statics, key[4], key[5], key[6])
     # Which sizes vary is learnt per user line (as Dynamo learns it per frame): one kernel serves
     # every layer's weights.
     families = _history.setdefault((signature, sites.place(sys._getframe())), [])

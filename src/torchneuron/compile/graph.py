@@ -33,7 +33,7 @@ import torch
 from .. import seams
 from ..config import config
 from ..metrics import metrics
-from ..ops import devices, oprecord
+from ..ops import devices, oprecord, precision
 from ..ops.signature import registry_name, signature_for
 from ..runtime import donation, rng, sites, transfers
 from ..runtime.device import current_device
@@ -83,6 +83,9 @@ class GraphProgram:
                 raise err
             self._use_eager([metric_name(n) for n, _ in missing], err)
         self.random = any(s.random for s in self.steps)
+        # Matmuls and convolutions are traced with PyTorch's float32 precision settings of the call
+        # (Dynamo guards on the matmul one only): the settings are part of the executable's key.
+        self.precision_readers = precision.readers(s.precision for s in self.steps)
         # torchneuron.kernel ops: counted per run and per compile; their code is not part of the
         # graph's text, so the hash holds their registrations and the on-disk index is skipped
         # (JAX's own cache, keyed by the traced program, still applies).
@@ -179,6 +182,8 @@ class GraphProgram:
             runtime.extend(gen.next_key_inputs())
         # What decides the program: every input's spec and the sizes of the storages they read.
         key = (tuple(specs), tuple(ins.storages))
+        if self.precision_readers:
+            key += precision.settings(self.precision_readers)
         exe = self.executables.get(key)
         if exe is None:
             with self._lock:

@@ -36,6 +36,12 @@ class Step:
         sig = self.signature.base if self.kind == "foreach" else self.signature
         return sig is not None and sig.lowering.random
 
+    @property
+    def precision(self) -> str | None:
+        """The float32 precision setting the step's lowering reads (ops/precision.py), if any."""
+        sig = self.signature.base if self.kind == "foreach" else self.signature
+        return sig.lowering.precision if sig is not None and sig.lowering is not None else None
+
 
 def call_signature(args, stable: StableStorages):
     """(the collected buffers, runtime values and device, the specs) of one call's inputs

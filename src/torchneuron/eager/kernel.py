@@ -30,7 +30,7 @@ import torch
 from .. import seams
 from ..config import observe
 from ..metrics import metrics
-from ..ops import devices
+from ..ops import devices, precision
 from ..ops.signature import (
     OPT_SCALAR,
     OPT_TENSOR,
@@ -90,6 +90,8 @@ class Kernel(Planning, OpSignature):
         self.statics = tuple((i, str(args[i].type) not in PLAIN_STATIC) for i in self.static)
         self.keys = []     # this kernel's cache keys, for the reason of the next compile
         self.argument_check = argument_checks.CHECKS.get(self.short_name)   # random ops only
+        # Matmul and convolution lowerings read PyTorch's float32 precision setting (ops/precision.py).
+        self.read_precision = precision.READERS.get(lowering.precision) if lowering is not None else None
         Kernel.instances.append(self)
 
     # -- the hot path ---------------------------------------------------------------------------
@@ -137,8 +139,11 @@ class Kernel(Planning, OpSignature):
             ctx.runtime.extend(rng.state_of(gen, ctx.device_index).next_key_inputs())
         # Everything that decides the program (see docs/performance.md): inputs' dtypes, sizes,
         # strides and storages, scalar types, compiled-in arguments, the device, and the default
-        # dtype (the result dtype of integer inputs with float scalars, of factories...).
-        key = (self, tuple(specs), statics, tuple(ctx.storages), ctx.device_index, torch.get_default_dtype())
+        # dtype (the result dtype of integer inputs with float scalars, of factories...), and for
+        # matmuls and convolutions the float32 precision setting.
+        read_precision = self.read_precision
+        key = (self, tuple(specs), statics, tuple(ctx.storages), ctx.device_index, torch.get_default_dtype(),
+               None if read_precision is None else read_precision())
         exe = _cache.get(key)
         if exe is None:
             exe = self._miss(key, values, specs, ctx)

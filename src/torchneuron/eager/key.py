@@ -48,7 +48,7 @@ def freeze(v):
 # -- why a compile happened ------------------------------------------------------------------------
 def key_parts(key):
     """The parts of a cache key a compile reason names, each comparable on its own."""
-    kernel, specs, statics, storages, device, default_dtype = key
+    kernel, specs, statics, storages, device, default_dtype, precision = key
     dtypes, shapes, layouts = [], [], []
     for (_, kind), spec in zip(kernel.inputs, specs):
         items = spec if kind in (TENSOR_LIST, OPT_TENSOR_LIST) and spec is not None else (spec,)
@@ -63,13 +63,14 @@ def key_parts(key):
             else:                            # a scalar's Python type, or None
                 dtypes.append(s)
     return {"dtype": dtypes, "shape": shapes, "layout": (layouts, storages), "arguments": statics,
-            "device": device, "default dtype": default_dtype}
+            "device": device, "default dtype": default_dtype, "float32 precision setting": precision}
 
 
 def compile_reason(key, previous) -> str:
     """Why ``key`` needs an executable, next to the keys an op already has: "new op", or the most
     basic part in which it differs from the closest earlier key, in the order dtype, shape, layout
-    (strides, storage offsets and sizes), compiled-in arguments, device, default dtype."""
+    (strides, storage offsets and sizes), compiled-in arguments, device, default dtype, the float32
+    precision setting of matmuls and convolutions."""
     if not previous:
         return "new op"
     parts = list(key_parts(key).items())
@@ -96,11 +97,12 @@ def _portable(v) -> bool:
 def store_name(key):
     """The persistent-cache entry of an eager cache key, or None for keys that hold values whose
     ``repr`` differs between processes."""
-    kernel, specs, statics, storages, device_index, default_dtype = key
+    kernel, specs, statics, storages, device_index, default_dtype, precision = key
     if not kernel.persistent or not _portable(statics):
         return None
     return executable_store.key("eager", kernel.name, kernel.functional is not None, specs, statics,
-                                storages, device_index, default_dtype, config.float64, config.device_checks)
+                                storages, device_index, default_dtype, config.float64, config.device_checks,
+                                *(() if precision is None else (precision.name,)))
 
 
 def describe(key) -> str:

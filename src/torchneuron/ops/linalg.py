@@ -11,46 +11,47 @@ from jax._src.lax import linalg as lax_linalg  # geqrf is not re-exported by jax
 
 from ..runtime.dtypes import jax_dtype
 from .numerics import compute_dtype
+from .precision import MATMUL, matmul_precision
 from .registry import lowering
 
-# PyTorch's float32 matmuls are full precision by default; keep them so on every PJRT platform.
-_PRECISION = lax.Precision.HIGHEST
+# Factorizations and their products stay float32 whatever the matmul setting (as cuSOLVER's do).
+_HIGHEST = lax.Precision.HIGHEST
 
 
 def _mm(a, b):
-    return jnp.matmul(a, b, precision=_PRECISION)
+    return jnp.matmul(a, b, precision=matmul_precision())
 
 
-@lowering("mm.default", promote="common", promote_args=("self", "mat2"))
+@lowering("mm.default", precision=MATMUL, promote="common", promote_args=("self", "mat2"))
 def mm(self, mat2):
     return _mm(self, mat2)
 
 
-@lowering("bmm.default", promote="common", promote_args=("self", "mat2"))
+@lowering("bmm.default", precision=MATMUL, promote="common", promote_args=("self", "mat2"))
 def bmm(self, mat2):
     return _mm(self, mat2)
 
 
-@lowering("mv.default", promote="common", promote_args=("self", "vec"))
+@lowering("mv.default", precision=MATMUL, promote="common", promote_args=("self", "vec"))
 def mv(self, vec):
     return _mm(self, vec)
 
 
-@lowering("dot.default", promote="common", promote_args=("self", "other"))
+@lowering("dot.default", precision=MATMUL, promote="common", promote_args=("self", "other"))
 def dot(self, other):
-    return jnp.dot(self, other, precision=_PRECISION)
+    return jnp.dot(self, other, precision=matmul_precision())
 
 
-@lowering("vdot.default", promote="common", promote_args=("self", "other"))
+@lowering("vdot.default", precision=MATMUL, promote="common", promote_args=("self", "other"))
 def vdot(self, other):
-    return jnp.dot(jnp.conj(self), other, precision=_PRECISION)   # conj(self) . other, as ATen
+    return jnp.dot(jnp.conj(self), other, precision=matmul_precision())   # conj(self) . other, as ATen
 
 
 def _mm_acc(a, b):
     """a @ b left in the accumulation dtype (float32 for half precision) for _scaled_sum to round once."""
     dtype = jnp.result_type(a, b)
     acc = compute_dtype(dtype)
-    return jnp.matmul(a, b, precision=_PRECISION, preferred_element_type=acc if acc != dtype else None)
+    return jnp.matmul(a, b, precision=matmul_precision(), preferred_element_type=acc if acc != dtype else None)
 
 
 def _scaled_sum(self, product, beta, alpha):
@@ -64,22 +65,22 @@ def _scaled_sum(self, product, beta, alpha):
     return out.astype(dtype)
 
 
-@lowering("addmm.default", promote="common", promote_args=("self", "mat1", "mat2"))
+@lowering("addmm.default", precision=MATMUL, promote="common", promote_args=("self", "mat1", "mat2"))
 def addmm(self, mat1, mat2, *, beta=1, alpha=1):
     return _scaled_sum(self, _mm_acc(mat1, mat2), beta, alpha)
 
 
-@lowering("addmv.default", promote="common", promote_args=("self", "mat", "vec"))
+@lowering("addmv.default", precision=MATMUL, promote="common", promote_args=("self", "mat", "vec"))
 def addmv(self, mat, vec, *, beta=1, alpha=1):
     return _scaled_sum(self, _mm_acc(mat, vec), beta, alpha)
 
 
-@lowering("baddbmm.default", promote="common", promote_args=("self", "batch1", "batch2"))
+@lowering("baddbmm.default", precision=MATMUL, promote="common", promote_args=("self", "batch1", "batch2"))
 def baddbmm(self, batch1, batch2, *, beta=1, alpha=1):
     return _scaled_sum(self, _mm_acc(batch1, batch2), beta, alpha)
 
 
-@lowering("addbmm.default", promote="common", promote_args=("self", "batch1", "batch2"))
+@lowering("addbmm.default", precision=MATMUL, promote="common", promote_args=("self", "batch1", "batch2"))
 def addbmm(self, batch1, batch2, *, beta=1, alpha=1):
     return _scaled_sum(self, jnp.sum(_mm_acc(batch1, batch2), axis=0), beta, alpha)
 
@@ -286,7 +287,7 @@ def _minor_not_positive_definite(A):
         bad = ~(pivot > 0)   # NaN too
         info = jnp.where((info == 0) & bad, k + 1, info)
         d = jnp.sqrt(jnp.where(bad, 1, pivot)).astype(A.dtype)
-        below = (A[..., :, k] - jnp.einsum("...ij,...j->...i", jnp.where(done, L, 0), jnp.conj(row))) / d[..., None]
+        below = (A[..., :, k] - jnp.einsum("...ij,...j->...i", jnp.where(done, L, 0), jnp.conj(row), precision=_HIGHEST)) / d[..., None]
         col = jnp.where(idx > k, below, jnp.where(idx == k, d[..., None], 0))
         return L.at[..., :, k].set(col), info
 
@@ -486,7 +487,7 @@ def _cdist_uses_mm(x1, x2, compute_mode):
     return x1.shape[-2] > 25 or x2.shape[-2] > 25
 
 
-@lowering("_cdist_forward.default")
+@lowering("_cdist_forward.default", precision=MATMUL)
 def cdist_forward(x1, x2, p, compute_mode):
     return _pairwise(x1, x2, p, _cdist_uses_mm(x1, x2, compute_mode))
 
@@ -560,20 +561,20 @@ def _acc(dtype):
     return jnp.float32 if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32 else None
 
 
-@lowering("_grouped_mm.default", shape_from_lowering=True)
+@lowering("_grouped_mm.default", precision=MATMUL, shape_from_lowering=True)
 def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     result_dtype = jax_dtype(out_dtype) if out_dtype is not None else self.dtype
     acc = _acc(self.dtype)
     a, b = self, mat2
     if a.ndim == 3 and b.ndim == 3:          # a batch of independent matmuls
-        out = jnp.matmul(a, b, preferred_element_type=acc)
+        out = jnp.matmul(a, b, precision=matmul_precision(), preferred_element_type=acc)
         if bias is not None:
             out = out + bias[:, None, :]
     elif a.ndim == 2 and b.ndim == 3:        # rows of `a` grouped by offs, one weight per group
         groups = b.shape[0]
         sizes = jnp.diff(jnp.concatenate([jnp.zeros((1,), jnp.int32), offs.astype(jnp.int32)]))
         # Rows past the last offset belong to no group: ragged_dot leaves them zero.
-        out = jax.lax.ragged_dot(a, b, sizes, preferred_element_type=acc)
+        out = jax.lax.ragged_dot(a, b, sizes, precision=matmul_precision(), preferred_element_type=acc)
         if bias is not None:
             gid = _group_ids(offs, a.shape[0], groups)
             out = out + jnp.where((gid < groups)[:, None], bias[jnp.minimum(gid, groups - 1)], 0)
@@ -581,14 +582,14 @@ def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
         groups = offs.shape[0]
         gid = _group_ids(offs, a.shape[1], groups)
         onehot = (gid[None, :] == jnp.arange(groups)[:, None]).astype(a.dtype)
-        out = jnp.einsum("mk,gk,kn->gmn", a, onehot, b, preferred_element_type=acc)
+        out = jnp.einsum("mk,gk,kn->gmn", a, onehot, b, precision=matmul_precision(), preferred_element_type=acc)
         if bias is not None:
             out = out + bias[:, None, :]
     elif a.ndim == 3 and b.ndim == 2:        # columns of `b` grouped, one left matrix per group
         groups = a.shape[0]
         gid = _group_ids(offs, b.shape[1], groups)
         onehot = (gid[None, :] == jnp.arange(groups)[:, None]).astype(a.dtype)
-        out = jnp.einsum("gmk,kn,gn->mn", a, b, onehot, preferred_element_type=acc)
+        out = jnp.einsum("gmk,kn,gn->mn", a, b, onehot, precision=matmul_precision(), preferred_element_type=acc)
         if bias is not None:
             out = out + jnp.where((gid < groups)[None, :], bias[jnp.minimum(gid, groups - 1), jnp.arange(b.shape[1])], 0)
     else:

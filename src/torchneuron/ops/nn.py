@@ -12,10 +12,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from .numerics import compute_dtype
+from .precision import CONVOLUTION, convolution_precision
 from .reductions import dims
 from .registry import lowering
-
-_HIGHEST = lax.Precision.HIGHEST
 
 
 def _acc(x):
@@ -35,7 +34,7 @@ def _conv(input, weight, bias, stride, padding, dilation, transposed, output_pad
     if not transposed:
         out = lax.conv_general_dilated(
             input, weight, window_strides=stride, padding=[(p, p) for p in padding],
-            rhs_dilation=dilation, dimension_numbers=dn, feature_group_count=groups, precision=_HIGHEST,
+            rhs_dilation=dilation, dimension_numbers=dn, feature_group_count=groups, precision=convolution_precision(),
             preferred_element_type=acc)
     else:
         output_padding = expand_param(output_padding, nd)
@@ -48,7 +47,7 @@ def _conv(input, weight, bias, stride, padding, dilation, transposed, output_pad
                 for kk, p, d, op in zip(k, padding, dilation, output_padding)]
         out = lax.conv_general_dilated(
             input, w, window_strides=(1,) * nd, padding=pads, lhs_dilation=stride,
-            rhs_dilation=dilation, dimension_numbers=dn, feature_group_count=groups, precision=_HIGHEST,
+            rhs_dilation=dilation, dimension_numbers=dn, feature_group_count=groups, precision=convolution_precision(),
             preferred_element_type=acc)
     if bias is not None:
         out = out + bias.reshape((1, -1) + (1,) * nd).astype(acc)
@@ -61,7 +60,7 @@ def expand_param(v, n):
     return v * n if len(v) == 1 else v
 
 
-@lowering("convolution.default", promote="common", promote_args=("input", "weight", "bias"))
+@lowering("convolution.default", precision=CONVOLUTION, promote="common", promote_args=("input", "weight", "bias"))
 def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     out = _conv(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     if input.shape[1] == 0:
@@ -71,7 +70,7 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
     return out
 
 
-@lowering("convolution_backward.default")
+@lowering("convolution_backward.default", precision=CONVOLUTION)
 def convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
                          output_padding, groups, output_mask):
     if input.shape[1] == 0:

@@ -15,6 +15,10 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
+from ..versions import pinned_torch
+
 
 @dataclass(frozen=True, kw_only=True)
 class Lowering:
@@ -54,6 +58,9 @@ class Lowering:
     # Where ATen's CPU kernel lays its outputs out otherwise than PyTorch's meta kernel says:
     # ``fn(output_metas, bound_values)`` -> one strides tuple per output (None: meta's), or None.
     output_strides: Callable | None = None
+    # The float32 precision setting the lowering reads while traced (ops/precision.py: "matmul",
+    # "convolution"): it enters the lowering's cache keys.
+    precision: str | None = None
 
 
 class NotImplementedForDtype(NotImplementedError):
@@ -69,6 +76,9 @@ class InvalidArguments(RuntimeError):
 
 
 LOWERINGS: dict[str, Lowering] = {}
+# Lowerings of ops the installed torch does not have (a release older than the pinned one): left
+# out of the table and named here (``torchneuron doctor``). Under the pinned torch it is a typo.
+ABSENT: list[str] = []
 # Where each lowering was registered: (file, line) of the ``@lowering``/``add`` call, a loop's too
 # (``exp.default`` is registered in a loop over names, so the file never spells it).
 SITES: dict[str, tuple[str, int]] = {}
@@ -77,7 +87,7 @@ SITES: dict[str, tuple[str, int]] = {}
 def lowering(*names: str, promote: str | None = None, promote_args=None, static_scalars=False,
              random=False, overwrites=False, derive_variants=True, mutates=(), graph_only=False,
              platforms=None, shape_from_lowering=False, contiguity_of=None, same_dtype=None,
-             output_strides=None):
+             output_strides=None, precision=None):
     """Register ``fn`` as the lowering of each ATen overload in ``names`` ("add.Tensor")."""
     def register(fn):
         for name in names:
@@ -87,7 +97,7 @@ def lowering(*names: str, promote: str | None = None, promote_args=None, static_
                          derive_variants=derive_variants, mutates=tuple(mutates), graph_only=graph_only,
                          platforms=tuple(platforms) if platforms else None,
                          shape_from_lowering=shape_from_lowering, contiguity_of=contiguity_of,
-                         same_dtype=same_dtype, output_strides=output_strides))
+                         same_dtype=same_dtype, output_strides=output_strides, precision=precision))
         return fn
     return register
 
@@ -95,11 +105,21 @@ def lowering(*names: str, promote: str | None = None, promote_args=None, static_
 def add(entry: Lowering) -> None:
     if entry.name in LOWERINGS:
         raise ValueError(f"lowering for aten::{entry.name} registered twice")
+    if not _op_exists(entry.name):
+        if pinned_torch():
+            raise RuntimeError(f"torchneuron: lowering registered for unknown op aten::{entry.name}")
+        ABSENT.append(entry.name)
+        return
     LOWERINGS[entry.name] = entry
     frame = sys._getframe(1)
     while frame.f_code.co_filename == __file__:
         frame = frame.f_back
     SITES[entry.name] = (frame.f_code.co_filename, frame.f_lineno)
+
+
+def _op_exists(name: str) -> bool:
+    packet, _, overload = name.partition(".")
+    return hasattr(getattr(torch.ops.aten, packet, None), overload or "default")
 
 
 def get(name: str) -> Lowering | None:

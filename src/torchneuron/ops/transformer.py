@@ -17,13 +17,12 @@ from jax import lax
 
 from .nn import _layer_norm
 from .numerics import compute_dtype
+from .precision import MATMUL, matmul_precision
 from .registry import lowering
-
-_HIGHEST = lax.Precision.HIGHEST
 
 
 def _linear(x, weight, bias):
-    return jnp.matmul(x, weight.T, precision=_HIGHEST) + bias
+    return jnp.matmul(x, weight.T, precision=matmul_precision()) + bias
 
 
 def _masked_softmax(scores, mask, mask_type):
@@ -48,12 +47,12 @@ def _self_attention(x, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, 
     head = d // num_heads
     qkv = _linear(x, qkv_weight, qkv_bias).reshape(b, t, 3, num_heads, head).transpose(2, 0, 3, 1, 4)
     q, k, v = qkv[0] / math.sqrt(head), qkv[1], qkv[2]
-    scores = jnp.matmul(q, jnp.swapaxes(k, -1, -2), precision=_HIGHEST)
-    ctx = jnp.matmul(_masked_softmax(scores, mask, mask_type), v, precision=_HIGHEST)
+    scores = jnp.matmul(q, jnp.swapaxes(k, -1, -2), precision=matmul_precision())
+    ctx = jnp.matmul(_masked_softmax(scores, mask, mask_type), v, precision=matmul_precision())
     return _linear(ctx.transpose(0, 2, 1, 3).reshape(b, t, d), proj_weight, proj_bias)
 
 
-@lowering("_transformer_encoder_layer_fwd.default")
+@lowering("_transformer_encoder_layer_fwd.default", precision=MATMUL)
 def transformer_encoder_layer_fwd(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias,
                                   use_gelu, norm_first, eps, norm_weight_1, norm_bias_1, norm_weight_2,
                                   norm_bias_2, ffn_weight_1, ffn_bias_1, ffn_weight_2, ffn_bias_2, mask=None,

@@ -15,6 +15,8 @@ import os
 import shutil
 import tempfile
 
+from ..versions import PINNED, differs
+
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 CHECKS = ("versions", "platform", "rank device", "collective", "cache folder", "multiprocessing", "settings")
 # TORCHNEURON_* variables that are not config fields but are read by torchneuron.
@@ -35,10 +37,21 @@ def _int_env(environ, name):
         raise ValueError(f"{name}={raw!r} is not an integer") from None
 
 
-def check_versions(info: dict) -> dict:
+def check_versions(info: dict, absent_lowerings=()) -> dict:
+    """ok on the pinned stack; warn on another (it may run: README's tested combinations), naming
+    the releases that differ and the lowerings left out because the installed torch lacks their op."""
     keys = ("python", "torch", "jax", "jaxlib", "numpy", "torchneuron")
-    return _result("versions", OK, ", ".join(f"{k} {info[k]}" for k in keys),
-                   versions={k: info[k] for k in keys})
+    detail = ", ".join(f"{k} {info[k]}" for k in keys)
+    off = [f"{k} {info[k]} (pinned {want})" for k, want in PINNED.items() if differs(info[k], want)]
+    if not off:
+        return _result("versions", OK, detail, versions={k: info[k] for k in keys})
+    detail += "; not the pinned stack: " + ", ".join(off)
+    if absent_lowerings:
+        detail += f"; this torch lacks {len(absent_lowerings)} op(s) a lowering is written for: " + \
+            ", ".join(absent_lowerings)
+    return _result("versions", WARN, detail,
+                   "the README's 'Tested combinations' lists what else was run; `make test` installs the pinned stack",
+                   versions={k: info[k] for k in keys}, absent_lowerings=list(absent_lowerings))
 
 
 def check_platform(info: dict) -> dict:
@@ -201,11 +214,12 @@ def run_checks(cache_dir: str | None = None, timeout: float = 30.0, environ=os.e
     """Every check, in CHECKS order. Starts the neuron runtime (the platform check needs it)."""
     # Not at the top: the runtime modules start nothing until a check asks for them.
     from ..config import config
+    from ..ops.registry import ABSENT
     from ..runtime.fork import runtime_started
     from .env import manifest
     started_before = runtime_started()   # before this check starts it
     info = manifest()
-    results = [check_versions(info), check_platform(info)]
+    results = [check_versions(info, ABSENT), check_platform(info)]
     device = rank_device(environ, info["device_count"], config.visible_device, info["pjrt_platform"])
     results.append(device)
     try:

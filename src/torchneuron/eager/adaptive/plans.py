@@ -76,13 +76,14 @@ class OpCheck:
     """One plan op as the replay checks it: its executable key unpacked per argument, the storage
     ids each tensor must sit on, and what the op writes."""
 
-    __slots__ = ("entry", "exe", "kernel", "statics", "args", "storages", "device", "default_dtype", "random",
+    __slots__ = ("entry", "exe", "kernel", "statics", "args", "storages", "device", "default_dtype", "precision", "random",
                  "factory", "written", "maybe_checked", "aliased")
 
     def __init__(self, entry):
         exe, input_sids, _, _ = entry
-        k, specs, statics, storages, device, default_dtype = exe.key
+        k, specs, statics, storages, device, default_dtype, precision = exe.key
         self.entry, self.exe, self.kernel = entry, exe, k
+        self.precision = precision   # of a matmul or convolution: the replay checks the setting
         # (argument index, whether the key holds it frozen, its value in the key)
         self.statics = tuple((i, frozen, v) for (i, frozen), v in zip(k.statics, statics))
         self.storages, self.device, self.default_dtype = storages, device, default_dtype

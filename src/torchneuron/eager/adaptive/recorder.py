@@ -93,7 +93,8 @@ class Region:
             if check is None or check.kernel is not k:
                 self.cursor = None
                 return _NOT_REPLAYED
-            if _default_dtype() is not check.default_dtype:
+            if _default_dtype() is not check.default_dtype or (
+                    check.precision is not None and k.read_precision() is not check.precision):
                 self.cursor = None
                 return _NOT_REPLAYED
             values = k.bind(args, kwargs)
