@@ -89,3 +89,26 @@ def test_an_error_raised_while_a_neuron_temporary_dies_keeps_its_type():
             (-x).softmax(1, dtype=torch.int32)
     gc.collect()
     assert torch.neuron.memory_allocated() == before
+
+
+def test_large_never_written_storages_get_their_zeros_on_the_device(monkeypatch):
+    """torch.empty(...) then a partial or whole write (FSDP2's to_empty() and reset_parameters()):
+    the zeros of a large storage are made on its device, nothing of its size is uploaded."""
+    from torchneuron.metrics import metrics
+    from torchneuron.runtime import memory
+    uploads = []
+    put = memory.jax_put
+    monkeypatch.setattr(memory, "jax_put", lambda a, d: (uploads.append(a.nbytes), put(a, d))[1])
+    fills = metrics.extra["device_zero_fills"]
+    n = memory.DEVICE_ZEROS_BYTES // 4 + 7          # float32 elements, just over the limit
+    x = torch.empty(n, device="neuron")
+    x[::3] = 1.5                                    # a partial write: the rest reads as zeros
+    want = torch.zeros(n)
+    want[::3] = 1.5
+    assert torch.equal(x.cpu(), want)
+    y = torch.empty(n, device="neuron").uniform_(2.0, 3.0)   # overwritten whole
+    assert bool(((y >= 2.0) & (y < 3.0)).all())
+    small = torch.empty(1000, device="neuron").fill_(4.0)    # small ones still share host zeros
+    assert small.cpu().tolist() == [4.0] * 1000
+    assert metrics.extra["device_zero_fills"] - fills == 2
+    assert max(uploads, default=0) < memory.DEVICE_ZEROS_BYTES

@@ -205,3 +205,52 @@ def test_memory_stats_pools_split_by_size_and_add_up():
     assert "from large pool" in summary and "from small pool" in summary
     assert "from large pool" not in mem.memory_summary(abbreviated=True)
     del edge, large
+
+
+# What the CUDA PJRT client's BFC allocator reports (key names of xla::PjRtDevice::GetAllocatorStats).
+_GPU_STATS = {"bytes_in_use": 3 << 20, "peak_bytes_in_use": 5 << 20, "bytes_limit": 64 << 30,
+              "pool_bytes": 48 << 30, "peak_pool_bytes": 48 << 30, "num_allocs": 12,
+              "largest_alloc_size": 1 << 20}
+
+
+def test_reserved_memory_and_free_memory_come_from_pjrt_where_the_platform_has_them(monkeypatch):
+    mem = torch.neuron.memory
+    assert runtime_memory.pjrt.memory_stats(0) == {}    # the CPU client keeps none
+    x = torch.ones(1000, device="neuron")
+    assert mem.memory_reserved() == mem.memory_allocated() >= x.nbytes
+    monkeypatch.setattr(runtime_memory.pjrt, "memory_stats", lambda index: dict(_GPU_STATS))
+    assert mem.memory_reserved() == 48 << 30
+    assert mem.max_memory_reserved() == 48 << 30
+    assert mem.memory_allocated() < 48 << 30             # still what live tensors hold
+    stats = mem.memory_stats()
+    assert stats["reserved_bytes.all.current"] == 48 << 30
+    assert stats["pjrt.bytes_in_use"] == 3 << 20 and stats["pjrt.num_allocs"] == 12
+    assert mem.mem_get_info() == ((64 << 30) - (3 << 20), 64 << 30)
+
+
+def test_the_device_running_out_of_memory_in_a_call_is_torch_out_of_memory_error(monkeypatch):
+    """PJRT's allocator failing inside an executable (RESOURCE_EXHAUSTED, as the GPU client reports
+    it) reaches the user as torch.OutOfMemoryError, counted in num_ooms, for eager ops and graphs."""
+    import jax
+
+    from torchneuron.eager import kernel
+
+    def exhausted(*args):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 40000 bytes.")
+
+    x = torch.arange(10_000.0, device="neuron")
+    (x * 3).cpu()                                        # compiles the op's executable
+    [exe] = [e for k, e in kernel._cache.items()
+             if k[0].short_name == "mul.Tensor" and k[3] == ((10_000, torch.float32),) and e.call is not None]
+    monkeypatch.setattr(exe, "call", exhausted)
+    monkeypatch.setattr(runtime_memory.pjrt, "memory_stats", lambda index: dict(_GPU_STATS))
+    ooms = torch.neuron.memory.memory_stats()["num_ooms"]
+    with pytest.raises(torch.OutOfMemoryError, match=r"neuron:0.*Out of memory while trying to allocate 40000"
+                       r".*TORCHNEURON_GPU_MEMORY_FRACTION") as info:
+        x * 3
+    assert "0.00 GiB in use of 64.00 GiB" in str(info.value)
+    assert torch.neuron.memory.memory_stats()["num_ooms"] == ooms + 1
+    monkeypatch.setattr(exe, "call", lambda *a: (_ for _ in ()).throw(jax.errors.JaxRuntimeError("INTERNAL: other")))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: other"):   # any other error unchanged
+        x * 3

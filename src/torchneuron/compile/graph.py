@@ -35,7 +35,7 @@ from ..config import config
 from ..metrics import metrics
 from ..ops import devices, oprecord, precision
 from ..ops.signature import registry_name, signature_for
-from ..runtime import donation, rng, sites, transfers
+from ..runtime import donation, memory, rng, sites, transfers
 from ..runtime.device import current_device
 from ..runtime.executable import Executable
 from ..runtime.inputs import StableStorages
@@ -195,7 +195,11 @@ class GraphProgram:
                     self.executables[key] = exe
         if exe.donated:   # the storages it writes are updated in place
             donation.make_private(bufs, exe.donated, device_index)
-        results = exe.call(*bufs, *runtime)
+        try:
+            results = exe.call(*bufs, *runtime)
+        except Exception as err:
+            memory.raise_if_out_of_memory(err, device_index)   # torch.OutOfMemoryError
+            raise
         if self.custom_kernels:
             metrics.custom_kernel_calls.update(self.custom_kernels)
         return self._finish(exe, results, args, ins.addrs, device_index)

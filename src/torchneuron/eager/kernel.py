@@ -157,7 +157,11 @@ class Kernel(Planning, OpSignature):
             metrics.cache_hits += 1
             if exe.donated:   # an in-place op updates its storages' buffers where they are
                 make_private(ctx.bufs, exe.donated, ctx.device_index)
-            results = exe.call(*ctx.bufs, *ctx.runtime)
+            try:   # costs nothing unless raised
+                results = exe.call(*ctx.bufs, *ctx.runtime)
+            except Exception as err:
+                memory.raise_if_out_of_memory(err, ctx.device_index)   # torch.OutOfMemoryError
+                raise
         return self._finish(exe, results, values, ctx)
 
     def _finish(self, exe, results, values, ctx):

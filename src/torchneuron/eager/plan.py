@@ -174,7 +174,11 @@ class Planning:
             if executable_store.logging_lookups():
                 executable_store.log("served", "eager", describe(exe.key))
             donation.make_private(bufs, exe.donated, device_index)
-            results = exe.call(*bufs, *runtime)
+            try:
+                results = exe.call(*bufs, *runtime)
+            except Exception as err:
+                memory.raise_if_out_of_memory(err, device_index)
+                raise
             metrics.compile_seconds += time.perf_counter() - start
             return results
         traced = exe.traced
@@ -193,6 +197,7 @@ class Planning:
             try:
                 results = jitted(*bufs, *runtime)
             except Exception as err:
+                memory.raise_if_out_of_memory(err, device_index)
                 # A check only the CPU kernel makes (max() of nothing); adaptive eager's op-by-op
                 # runs pass no values (the user's call was checked when it was recorded).
                 cpu = self._cpu_error(values) if values else None

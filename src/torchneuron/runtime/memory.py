@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from ..metrics import metrics
 from . import fork, pjrt
 from .dtypes import jax_dtype
 
@@ -375,6 +376,26 @@ def _out_of_memory(device_index: int, nbytes: int) -> None:
     _on_oom(device_index, nbytes)
 
 
+def raise_if_out_of_memory(err: Exception, device_index) -> None:
+    """Raise ``torch.OutOfMemoryError`` (counted, snapshot written, as for the allocator's own) for
+    an error of a call on the device that is PJRT's allocator running out (``RESOURCE_EXHAUSTED``):
+    code that catches a CUDA OOM to retry with a smaller batch catches this one too. Any other
+    error: return, for the caller to re-raise it."""
+    text = str(err)
+    if "RESOURCE_EXHAUSTED" not in text:
+        return
+    index = device_index or 0
+    stats = pjrt.memory_stats(index)
+    _out_of_memory(index, 0)
+    in_use = (f"; the platform's allocator has {_gib(int(stats['bytes_in_use']))} in use of "
+              f"{_gib(int(stats['bytes_limit']))}" if "bytes_in_use" in stats and "bytes_limit" in stats else "")
+    raise torch.OutOfMemoryError(
+        f"torchneuron: out of memory on neuron:{index}: {text.splitlines()[0]}. "
+        f"{_gib(allocator.allocated.get(index, 0))} are allocated by live tensors{in_use}. Free tensors "
+        "you no longer need, use a smaller batch, or on a GPU give the allocator a larger share of the "
+        "device (TORCHNEURON_GPU_MEMORY_FRACTION; TORCHNEURON_GPU_PREALLOCATE=0 grows it on demand).") from err
+
+
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _from_dlpack = torch._C._from_dlpack
 _AS_STRIDED = torch.ops.aten.as_strided.default.redispatch
@@ -466,7 +487,11 @@ def _zeros(numel: int, dtype: torch.dtype, device_index: int):
     """A zero buffer. Small ones are shared by every storage of that size that nobody wrote yet
     (``torch.empty`` then ``fill_``/``copy_``/``uniform_``): device buffers are immutable, an op
     makes a new buffer for what it writes, so sharing is safe and saves a host->device copy each."""
-    if numel * dtype.itemsize > _SHARED_ZEROS_BYTES:
+    nbytes = numel * dtype.itemsize
+    if nbytes > DEVICE_ZEROS_BYTES:
+        metrics.extra["device_zero_fills"] += 1
+        return _device_zeros(numel, dtype, device_index)()
+    if nbytes > _SHARED_ZEROS_BYTES:
         return jax_put(np.zeros(numel, dtype=jax_dtype(dtype)), device_index)
     key = (numel, dtype, device_index)
     buf = _shared_zeros.get(key)
@@ -480,6 +505,17 @@ def _zeros(numel: int, dtype: torch.dtype, device_index: int):
 
 
 _shared_zero_ids: set = set()
+
+# Above this size (bytes) a never-written storage's zeros are made on its device by a small program
+# compiled per size (~0.1 s), not uploaded: torch.empty(...).normal_() and FSDP2's to_empty() on
+# large parameters would otherwise push every byte over PCIe, and host memory would hold a copy.
+DEVICE_ZEROS_BYTES = 16 << 20
+
+
+@functools.lru_cache(maxsize=256)
+def _device_zeros(numel: int, dtype: torch.dtype, device_index: int):
+    sharding = jax.sharding.SingleDeviceSharding(pjrt.device(device_index))
+    return jax.jit(lambda: jnp.zeros((numel,), dtype=jax_dtype(dtype)), out_shardings=sharding)
 
 
 def private_zeros(buf, device_index: int):

@@ -1,8 +1,10 @@
 """``torch.neuron.memory``: the memory functions of ``torch.cuda.memory``, for neuron devices.
 
 Statistics come from the allocator (``runtime/memory.py``), which gives every storage its own
-device buffer: there is no caching allocator, so reserved memory equals allocated memory, every
-allocation is one segment of one block, and ``empty_cache()`` has no cached blocks to release.
+device buffer: there is no caching allocator of ours, so every allocation is one segment of one
+block and ``empty_cache()`` has no cached blocks to release. Reserved memory is what PJRT's own
+allocator holds where the platform reports its statistics (the GPU client's pool: its
+``pool_bytes``, beside its other figures as ``pjrt.*`` keys), else (the CPU) allocated memory.
 Counts and bytes match ``torch.cuda.memory_stats()``'s key names, for the ``all`` pool and the
 caching allocator's ``small_pool`` (storages of at most 1 MiB) and ``large_pool``, each storage
 counted in the pool its size puts it in (``allocated_bytes.small_pool.current``,
@@ -99,12 +101,24 @@ def max_memory_allocated(device=None) -> int:
 
 
 def memory_reserved(device=None) -> int:
-    """Equal to ``memory_allocated()``: each storage has its own buffer, nothing is cached."""
-    return memory_allocated(device)
+    """Bytes the device's allocator holds: PJRT's pool where the platform reports one (the GPU
+    client's BFC allocator reserves its pool up front), else ``memory_allocated()`` (the CPU: each
+    storage has its own buffer, nothing is cached)."""
+    index = _index(device)
+    return _pjrt_reserved(index, "pool_bytes", "bytes_in_use") or memory_allocated(index)
 
 
 def max_memory_reserved(device=None) -> int:
-    return max_memory_allocated(device)
+    """The peak of ``memory_reserved()``: PJRT's own peak where it reports one (since the process
+    started: ``reset_peak_memory_stats()`` cannot lower it), else ``max_memory_allocated()``."""
+    index = _index(device)
+    return _pjrt_reserved(index, "peak_pool_bytes", "peak_bytes_in_use") or max_memory_allocated(index)
+
+
+def _pjrt_reserved(index: int, *names) -> int:
+    """The first of PJRT's statistics ``names`` the device reports (0 where none is)."""
+    stats = pjrt.memory_stats(index)
+    return next((int(stats[n]) for n in names if stats.get(n)), 0)
 
 
 def reset_peak_memory_stats(device=None) -> None:
@@ -164,7 +178,8 @@ def memory_stats(device=None) -> dict:
         freed -= base_frees
         allocated_bytes = current - base_bytes + freed_bytes
         allocations = live - base_live + freed
-        # No caching allocator: reserved = active = requested = allocated, one segment per allocation.
+        # No caching allocator of ours: active = requested = allocated, one segment per allocation;
+        # reserved is PJRT's pool where the platform has one (below).
         for name in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):
             _stat(f"{name}.{pool}", current, peak_bytes, allocated_bytes, freed_bytes, out)
         for name in ("allocation", "segment", "active"):
@@ -181,6 +196,11 @@ def memory_stats(device=None) -> dict:
                 "max_split_size": -1,
                 # torchneuron's own (all devices): allocations and frees since the last reset.
                 "num_allocs": a.num_allocs, "num_frees": a.num_frees})
+    stats = pjrt.memory_stats(index)
+    if stats:   # the platform's allocator: its pool is what is reserved, its own figures beside
+        out["reserved_bytes.all.current"] = memory_reserved(index)
+        out["reserved_bytes.all.peak"] = max_memory_reserved(index)
+        out.update({f"pjrt.{k}": int(v) for k, v in stats.items() if isinstance(v, int | float)})
     return dict(sorted(out.items()))
 
 
@@ -242,12 +262,8 @@ def mem_get_info(device=None) -> tuple[int, int]:
     platform reports them (GPU, TPU, Neuron), else (the CPU platform) the host's memory less what
     live neuron storages hold."""
     index = _index(device)
-    stats = None
-    try:
-        stats = pjrt.device(index).memory_stats()
-    except Exception:  # noqa: BLE001 - platforms without memory statistics
-        stats = None
-    if stats and stats.get("bytes_limit"):
+    stats = pjrt.memory_stats(index)
+    if stats.get("bytes_limit"):
         total = int(stats["bytes_limit"])
         return total - int(stats.get("bytes_in_use", 0)), total
     total = pjrt.total_memory(index)

@@ -197,14 +197,19 @@ def device(index: int):
     return devs[index]
 
 
+def memory_stats(index: int) -> dict:
+    """PJRT's own memory statistics of a device (its allocator's ``bytes_in_use``, ``bytes_limit``,
+    ``pool_bytes``...: GPU, TPU, Neuron), or {} where the platform keeps none (the CPU)."""
+    try:
+        return dict(device(index).memory_stats() or {})
+    except Exception:  # noqa: BLE001 - platforms without memory statistics
+        return {}
+
+
 @functools.cache
 def total_memory(index: int) -> int:
     """Bytes of memory of a device: what PJRT reports, else the host's (the CPU platform)."""
-    total = 0
-    try:
-        total = int((device(index).memory_stats() or {}).get("bytes_limit", 0))
-    except Exception:  # noqa: BLE001 - platforms without memory statistics
-        total = 0
+    total = int(memory_stats(index).get("bytes_limit", 0))
     return total or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

@@ -89,7 +89,11 @@ def run_op(exe, bufs, runtime):
         return k.first_call(exe, donation.keep_inputs(exe, bufs, exe.key[4]), runtime, (), exe.key[4])
     metrics.cache_hits += 1
     # The region keeps its table of buffers: the op must not donate them.
-    return call(*donation.keep_inputs(exe, bufs, exe.key[4]), *runtime)
+    try:
+        return call(*donation.keep_inputs(exe, bufs, exe.key[4]), *runtime)
+    except Exception as err:
+        memory.raise_if_out_of_memory(err, exe.key[4])   # torch.OutOfMemoryError
+        raise
 
 
 # -- fused runs overlapping the program ----------------------------------------------------------
