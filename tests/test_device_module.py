@@ -83,6 +83,23 @@ def test_autoload_through_torch_backends_entry_point():
     assert out.stdout.split() == ["neuron:0", "True"]
 
 
+def test_a_source_tree_without_install_still_has_the_compile_backend():
+    """PYTHONPATH=src and no entry points (a machine that allows no installs): `import torchneuron`
+    registers backend="neuron" with Dynamo itself."""
+    code = (
+        "import importlib.metadata as md\n"
+        "real = md.entry_points\n"
+        "md.entry_points = lambda **kw: md.EntryPoints(()) if kw.get('group') in ('torch_dynamo_backends', 'torch.backends') "
+        "else real(**kw)\n"
+        "import torch, torchneuron\n"
+        "f = torch.compile(lambda x: x * 2 + 1, backend='neuron')\n"
+        "print(f(torch.arange(3.0, device='neuron')).tolist(), torchneuron._autoloaded)\n")
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-2] == "[1.0, 3.0, 5.0] False"
+
+
 def test_register_is_idempotent():
     torchneuron.register()
     torchneuron.register()

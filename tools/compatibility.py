@@ -178,8 +178,8 @@ def render(platform: str = "cpu") -> str:
         "Each public function of `torch.cuda` and `torch.cuda.memory`: the `torch.neuron` function of "
         "the same name, and whether `torchneuron.transfer_cuda()` (`TORCHNEURON_CUDA=neuron`, "
         "`torchneuron check --device-map cuda=neuron`) points the CUDA name at it. Streams are one "
-        "ordered queue per device; `torch.neuron.memory` has no caching allocator (reserved = "
-        "allocated).",
+        "ordered queue per device; `torch.neuron.memory` has no caching allocator of its own: reserved "
+        "memory is PJRT's pool where the platform reports one (GPU), else allocated memory (CPU).",
         "",
         "| torch.cuda | torch.neuron | transfer_cuda() |",
         "|---|---|---|",

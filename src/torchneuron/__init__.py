@@ -15,6 +15,7 @@ from .config import config
 from .metrics import metrics
 
 _registered = False
+_autoloaded = False   # registered through the torch.backends entry point: the package is installed
 
 
 def register() -> None:
@@ -71,6 +72,8 @@ def register() -> None:
     integrations.install()     # transformers/accelerate device probes, DataLoader pinning
     dynamo_skip.install()      # Dynamo never traces torchneuron's frames, whatever the backend
     _registered = True
+    if not _autoloaded:
+        _register_dynamo_backend_of_a_source_tree()
     if config.cuda:            # TORCHNEURON_CUDA=neuron: CUDA scripts run unchanged on neuron
         transfer_cuda(config.cuda)
 
@@ -84,7 +87,22 @@ def _shapes_changed(value) -> None:
 
 def _autoload() -> None:
     """Entry point for ``torch.backends``: runs during ``import torch``."""
+    global _autoloaded
+    _autoloaded = True
     register()
+
+
+def _register_dynamo_backend_of_a_source_tree() -> None:
+    """Run from a source tree without installing it (``PYTHONPATH=src``, as on a machine that allows
+    no installs), no entry point tells Dynamo of ``backend="neuron"``: register it directly (this
+    imports Dynamo, ~1 s). An installed package is found through its entry point, as before."""
+    from importlib.metadata import entry_points  # only when torch did not autoload the package
+    if any(ep.name == "neuron" for ep in entry_points(group="torch_dynamo_backends")):
+        return
+    from torch._dynamo.backends.registry import register_backend  # imports Dynamo: see above
+
+    from .compile import neuron_backend
+    register_backend(neuron_backend, "neuron")
 
 
 def warmup(fn, example_inputs, buckets, *, dim: int = 1, grad: bool = False) -> dict:
