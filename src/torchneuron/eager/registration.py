@@ -187,14 +187,39 @@ def _has_bits(v):
     return isinstance(v, torch.Tensor) and (v.is_conj() or v.is_neg())
 
 
+# Ops whose kernel depends on the platform (lowerings limited to some platforms, their derived
+# variants) -> their kernel on the platform the device started on. They are registered once, as a
+# call through this table: a program may pick its platform after torch imported torchneuron, and
+# torch before 2.13 refuses a second Python kernel for an op and dispatch key.
+_switched: dict[str, object] = {}
+
+
+def _switch(name: str):
+    def kernel(*args, **kwargs):
+        return _switched[name](*args, **kwargs)
+    return kernel
+
+
+def _platform_dependent() -> set[str]:
+    names = {n for n, low in registry.LOWERINGS.items() if low.platforms}
+    for platform in {p for n in names for p in registry.LOWERINGS[n].platforms} | {config.platform}:
+        recs = oprecord.records(platform)
+        names |= {v for n in list(names) if n in recs for v in recs[n].variants}
+    return names
+
+
 def register_all() -> None:
     if _libs:
         return
     lib = torch.library.Library("aten", "IMPL")
     _libs.append(lib)
     KERNELS.update(_kernel_table())
+    for name in _platform_dependent():
+        _switched[name] = KERNELS.get(name) or _fallback_kernel(aten_overload(name))
+        lib.impl(name.removesuffix(".default"), _switch(name), "PrivateUse1")
     for name, fn in KERNELS.items():
-        lib.impl(name.removesuffix(".default"), fn, "PrivateUse1")
+        if name not in _switched:
+            lib.impl(name.removesuffix(".default"), fn, "PrivateUse1")
     rnn.install(lib)   # fused LSTM/GRU/RNN: an autograd kernel, as these ATen ops are composite
     fallback_lib = torch.library.Library("_", "IMPL")
     fallback_lib.fallback(neuron_fallback, "PrivateUse1")
@@ -219,10 +244,7 @@ def follow_started_platform(platform: str) -> None:
     changed = [name for name in {**before, **now}
                if (before.get(name) and before[name].kernel) != (now.get(name) and now[name].kernel)]
     _table_platform = platform
-    if not changed:
-        return
-    lib = torch.library.Library("aten", "IMPL")
-    _libs.append(lib)
+    replaced = []
     for name in changed:
         rec = now.get(name)
         if rec is not None and rec.lowered is not None:
@@ -232,6 +254,15 @@ def follow_started_platform(platform: str) -> None:
         else:
             KERNELS.pop(name, None)
             kernel = _fallback_kernel(aten_overload(name))
+        if name in _switched:
+            _switched[name] = kernel
+        else:
+            replaced.append((name, kernel))
+    if not replaced:
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    _libs.append(lib)
+    for name, kernel in replaced:
         with warnings.catch_warnings():   # replacing our own kernel is the point
             warnings.simplefilter("ignore")
             lib.impl(name.removesuffix(".default"), kernel, "PrivateUse1")
