@@ -232,10 +232,10 @@ def test_user_thread_never_waits_for_a_region_compile(monkeypatch):
     release, started = threading.Event(), threading.Event()
     build = adaptive_mode.compiler._fused
 
-    def slow_fused(seg, device):
+    def slow_fused(seg, device, donated=()):
         started.set()
         release.wait(60)
-        return build(seg, device)
+        return build(seg, device, donated)
 
     monkeypatch.setattr(adaptive_mode.compiler, "_fused", slow_fused)
     x = torch.ones(4).to("neuron")
@@ -255,7 +255,7 @@ def test_user_thread_never_waits_for_a_region_compile(monkeypatch):
 
 @pytest.mark.usefixtures("adaptive")
 def test_compile_failure_keeps_the_region_running_op_by_op(monkeypatch):
-    def broken(seg, device):
+    def broken(seg, device, donated=()):
         raise RuntimeError("simulated compiler failure")
 
     monkeypatch.setattr(adaptive_mode.compiler, "_fused", broken)
@@ -594,7 +594,7 @@ def _compile_gather_region(x):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "op-by-op"])
 def test_device_check_errors_of_a_replayed_region_name_the_line_of_that_occurrence(fused, monkeypatch):
     if not fused:   # the region replays but its segment keeps running op by op
-        monkeypatch.setattr(adaptive_mode.compiler, "_fused", lambda seg, device: 1 / 0)
+        monkeypatch.setattr(adaptive_mode.compiler, "_fused", lambda seg, device, donated=(): 1 / 0)
     x = _GX.to("neuron")
     _compile_gather_region(x)
     hits, replayed = m("region_cache_hits"), m("region_replayed_ops")
@@ -753,3 +753,39 @@ def test_an_overlapping_run_keeps_no_buffers_once_joined(monkeypatch):
     # The weight's buffer from before the last step (an input of its SGD run) went with the step:
     # neither the worker thread nor the joined run holds it.
     assert old() is None
+
+
+@pytest.mark.usefixtures("adaptive")
+def test_a_fused_region_updates_the_storages_it_writes_in_place():
+    """A compiled region donates the buffers of the storages it writes (an optimizer-like update):
+    they keep their place step after step, no copy is made once it runs fused, the values are
+    CPU's, and a storage that shared a written buffer keeps its own values."""
+    from torchneuron.runtime import memory
+
+    def address(t):
+        return memory.record_of(t).buf.unsafe_buffer_pointer()
+
+    w_cpu = torch.randn(64, 48, generator=torch.Generator().manual_seed(3))
+    m_cpu = torch.zeros(64, 48)
+    w, m_ = w_cpu.to("neuron"), m_cpu.to("neuron")
+    shared = torch.empty(64, 48, device="neuron")
+    shared.copy_(w)                                # may share w's buffer: it must not be donated
+    places, copies = [], None
+    for step in range(10):
+        m_.mul_(0.9).add_(w * 0.01 + 1)
+        w.sub_(m_, alpha=0.1)
+        torch.neuron.synchronize()
+        m_cpu.mul_(0.9).add_(w_cpu * 0.01 + 1)
+        w_cpu.sub_(m_cpu, alpha=0.1)
+        if step == 3:
+            adaptive_mode.wait_for_compiles()
+        if step == 5:
+            copies = m("extra").get("donation_copies", 0)
+        if step >= 5:
+            places.append((address(w), address(m_)))
+    assert m("region_cache_hits") >= 5
+    assert len(set(places)) == 1                   # written where they were
+    assert m("extra").get("donation_copies", 0) == copies
+    torch.testing.assert_close(w.cpu(), w_cpu)
+    torch.testing.assert_close(m_.cpu(), m_cpu)
+    assert torch.equal(shared.cpu(), torch.randn(64, 48, generator=torch.Generator().manual_seed(3)))

@@ -124,8 +124,8 @@ def test_an_op_that_fails_to_compile_fused_runs_alone_and_the_rest_stays_fused(m
 def test_a_fused_executable_that_fails_when_it_runs_falls_back_then_is_bisected(monkeypatch):
     armed = [False]
 
-    def fused(seg, device):
-        fn = _real_fused(seg, device)
+    def fused(seg, device, donated=()):
+        fn = _real_fused(seg, device, donated)
         if not any(exe.name == "exp" for exe, *_ in seg.ops):
             return fn
 

@@ -35,11 +35,11 @@ _refcount = sys.getrefcount
 _OWNED = 3
 
 
-def make_private(bufs: list, slots, device_index) -> None:
+def make_private(bufs: list, slots, device_index, owned: int = _OWNED) -> None:
     """Give every slot in ``slots`` (the storages a call writes) a buffer that only its storage
-    refers to, so that the call may donate it."""
+    refers to, so that the call may donate it (``owned``: the references of such a buffer)."""
     for slot in slots:
-        if _refcount(bufs[slot]) > _OWNED:
+        if _refcount(bufs[slot]) > owned:
             bufs[slot] = private_copy(bufs[slot], device_index)
 
 

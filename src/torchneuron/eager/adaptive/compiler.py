@@ -13,7 +13,7 @@ import jax
 
 from ...config import config
 from ...metrics import metrics
-from ...runtime import executable_store
+from ...runtime import donation, executable_store
 from ..plan import sharding
 from . import isolate, plans
 
@@ -23,7 +23,15 @@ def _trace_op(exe, bufs, runtime):
     return exe.traced(*bufs, *runtime)
 
 
-def _fused(seg, device):
+def written_inputs(seg) -> tuple:
+    """Positions of ``seg``'s inputs whose storages it writes: their old buffers are dead after it."""
+    out = set(seg.out_sids)
+    return tuple(i for i, sid in enumerate(seg.in_sids) if sid in out)
+
+
+def _fused(seg, device, donated=()):
+    """The fused executable of ``seg``, donating the inputs at ``donated`` (bisection's pieces,
+    run on samples of live buffers, donate nothing)."""
     ops, in_sids, out_sids = seg.ops, seg.in_sids, seg.out_sids
     n_in = len(in_sids)
 
@@ -33,7 +41,7 @@ def _fused(seg, device):
         seg.checked = tuple(n for n, _ in found)   # before seg.fn is set: the caller reads both
         return tuple(current[sid] for sid in out_sids) + tuple(outcome for _, outcome in found)
 
-    return jax.jit(run, out_shardings=sharding(device))
+    return jax.jit(run, out_shardings=sharding(device), donate_argnums=donated)
 
 
 # -- the background compiler ----------------------------------------------------------------------
@@ -154,11 +162,13 @@ def _compile(plan, seg, device, sample, failure):
     verify = config.adaptive_verify_fusion
     if failure is None:
         try:
-            fn = _fused(seg, device)
+            donated = written_inputs(seg)
+            fn = _fused(seg, device, donated)
             # Calling it (not lower().compile()) fills jit's C++ dispatch cache with the signature
             # the user's thread will call it with; the run itself is a pure function's, its result
-            # unused (but compared with the ops run one by one when verifying).
-            results = fn(*sample)
+            # unused (but compared with the ops run one by one when verifying). The sample's
+            # buffers may still be storages' (or shared): what it donates is a copy.
+            results = fn(*[donation.private_copy(b, device) if i in donated else b for i, b in enumerate(sample)])
             if verify:
                 diff = isolate.difference(seg, results, isolate.Reference(seg, sample))
                 if diff is not None:
@@ -167,7 +177,7 @@ def _compile(plan, seg, device, sample, failure):
             failure = ("compile failed", f"{type(err).__name__}: {err}".splitlines()[0][:500])
         else:
             if failure is None:
-                _ready(seg, fn)
+                _ready(seg, fn, donated)
         seconds = time.perf_counter() - start
         metrics.region_compile_seconds += seconds
         budget.settle(len(seg.ops), seconds)
@@ -183,7 +193,8 @@ def _compile(plan, seg, device, sample, failure):
     budget.charge(seconds)
 
 
-def _ready(seg, fn):
+def _ready(seg, fn, donated=()):
+    seg.donated = donated   # before fn: the user's thread reads fn first
     seg.fn = fn
     seg.state = "ready"
     metrics.region_compiles += 1

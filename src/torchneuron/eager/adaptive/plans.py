@@ -18,7 +18,7 @@ class Segment:
     """Consecutive ops of a plan compiled as one fused executable."""
 
     __slots__ = ("ops", "start", "in_sids", "out_sids", "rt_start", "rt_stop", "carry", "fn", "checked", "state",
-                 "error", "failures")
+                 "error", "failures", "donated")
 
     def __init__(self, ops, start, in_sids, rt_start, rt_stop):
         self.ops = ops
@@ -28,6 +28,7 @@ class Segment:
         self.rt_start, self.rt_stop = rt_start, rt_stop
         self.carry = ()             # storages whose buffers are needed after it
         self.fn = None              # the fused executable, once compiled
+        self.donated = ()           # positions of the inputs ``fn`` donates: storages it writes
         # Positions (in the segment) of the ops whose device-check outcomes ``fn`` returns after
         # the buffers of ``out_sids``, in op order: known once it was traced.
         self.checked = ()

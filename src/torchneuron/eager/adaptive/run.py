@@ -21,7 +21,7 @@ def run_region(plan, external, runtime, outcomes):
     fn = direct.fn if direct is not None else None
     if fn is not None:   # one fused executable taking the region's inputs, returning its results
         metrics.region_cache_hits += 1
-        results = run_fused(plan, direct, fn, external, runtime)
+        results = run_fused(plan, direct, fn, external, runtime, _LIST_ONLY)
         if direct.checked:
             outcomes.extend(zip(direct.checked, results[len(plan.live):]))
         return results
@@ -33,7 +33,7 @@ def run_region(plan, external, runtime, outcomes):
         fn = seg.fn
         if fn is not None:
             metrics.region_cache_hits += 1
-            results = run_fused(plan, seg, fn, [current[sid] for sid in seg.in_sids], rt)
+            results = run_fused(plan, seg, fn, [current[sid] for sid in seg.in_sids], rt, _LIST_AND_TABLE)
             current.update(zip(seg.out_sids, results))
             if seg.checked:
                 start = seg.start
@@ -65,16 +65,29 @@ def run_region(plan, external, runtime, outcomes):
     return [current[sid] for sid in plan.live]
 
 
-def run_fused(plan, seg, fn, inputs, runtime):
+# References of an input buffer only the region holds, as make_private counts them: the inputs list
+# (and the region's table of buffers, for segments of a split region), and getrefcount's argument.
+_LIST_ONLY, _LIST_AND_TABLE = 2, 3
+
+
+def run_fused(plan, seg, fn, inputs, runtime, owned):
     """``fn`` (the fused executable of ``seg``) on ``inputs``: its buffers of ``seg.out_sids``, then
     its checked ops' outcomes. If it raises, the ops run one by one instead (an error of theirs is
-    the program's, raised as plain eager raises it), and the segment is bisected to fuse what runs."""
+    the program's, raised as plain eager raises it), and the segment is bisected to fuse what runs.
+    The storages it writes are updated in place (donated) unless something else refers to their
+    buffers (``owned``: the references the caller's structures hold)."""
+    donated = seg.donated
+    if donated:
+        donation.make_private(inputs, donated, plan.device, owned)
     try:
         tracer = metrics.tracer
         if tracer is not None:   # a profiler session: the run's slice on the neuron lane
             return tracer.fused(seg, fn, inputs, runtime)
         return fn(*inputs, *runtime)
     except Exception as err:   # noqa: BLE001 - judged by running the same ops one by one
+        memory.raise_if_out_of_memory(err, plan.device)   # torch.OutOfMemoryError
+        if any(inputs[i].is_deleted() for i in donated):   # consumed: nothing to run op by op
+            raise
         current = dict(zip(seg.in_sids, inputs))
         found = plans.interpret(seg.ops, current, runtime, run_op)
         compiler.run_failed(plan, seg, [*inputs, *runtime], err)
@@ -159,7 +172,7 @@ def _run_loop():
         if tracer is not None:
             tracer.adopt_cut(h.cut)
         try:
-            h.results = run_fused(plan, seg, fn, external, runtime)   # XLA runs it without the GIL
+            h.results = run_fused(plan, seg, fn, external, runtime, _LIST_ONLY)   # XLA runs it without the GIL
         except BaseException as err:   # raised in the user's thread when the run is joined
             h.error = err
         # Dropped before the joiner wakes, not kept while waiting for the next run: the inputs'
