@@ -3,6 +3,7 @@
 of the cache keys, so changing it compiles anew. XLA:CPU computes float32 under every setting, so
 values stay CPU's here; the traced programs show the precision asked for."""
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -27,12 +28,14 @@ def matmul_setting():
 
 @pytest.fixture
 def conv_tf32():
-    before = torch.backends.cudnn.allow_tf32
-
-    def set_(on):
-        torch.backends.cudnn.allow_tf32 = on
-    yield set_
-    torch.backends.cudnn.allow_tf32 = before
+    # Through cudnn.flags(): PyTorch's own test utilities (the upstream files) forbid setting the
+    # cudnn flags directly once imported (disable_global_flags), and restore them on exit.
+    cudnn = torch.backends.cudnn
+    with contextlib.ExitStack() as stack:
+        def set_(on):
+            stack.enter_context(cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark,
+                                            deterministic=cudnn.deterministic, allow_tf32=on))
+        yield set_
 
 
 def _stablehlo(name, *args):
