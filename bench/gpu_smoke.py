@@ -14,6 +14,14 @@ Sections (docs/gpu.md says what each measures):
   compiled  forward of the small GPT through torch.compile(backend="neuron") vs reference eager
             (and vs Inductor when the reference is CUDA)
   memory    peak memory of one GPT training step: torch.neuron's statistics, PJRT's own, torch CUDA's
+  parity_hf one training step of a tiny random Hugging Face Llama (transformers), as parity_gpt
+  compiled_train  the GPT's training step (forward, backward, AdamW) through torch.compile: neuron vs
+            reference eager and Inductor, ms per step and the loss of each
+  collectives  torchrun ranks (two where there are two GPUs, else one: NCCL refuses two ranks on
+            one GPU) run all_reduce / all_gather / reduce_scatter / broadcast on neuron tensors with
+            TORCHNEURON_COLLECTIVES=shared: NCCL on CUDA (gloo on the CPU platform)
+  tests     the device-module, memory, cache and kernel test modules under pytest on this platform
+            (at most TESTS_BUDGET_S seconds): counts and the names of the failures
 
 The reference is CPU on a machine without CUDA: numbers from such a run are a sanity check of the
 script, not GPU figures.
@@ -338,6 +346,170 @@ def memory():
     return found
 
 
+class HFCausalLM(nn.Module):
+    """A tiny random Llama from transformers' own code, returning logits like the GPT."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+        config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+        self.model = LlamaForCausalLM(config)
+
+    def forward(self, idx):
+        return self.model(input_ids=idx).logits
+
+
+@section("parity_hf")
+def parity_hf():
+    torch.manual_seed(0)
+    return _parity("hf_llama", HFCausalLM(), *gpt_batch())
+
+
+def _compiled_train_step(model, device, backend):
+    """A compiled training step of ``model`` on ``device``: (step function, inputs, targets)."""
+    model = copy.deepcopy(model).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inputs, targets = (t.to(device) for t in gpt_batch(batch=8, length=64))
+
+    def step():
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return (torch.compile(step, backend=backend) if backend else step), device
+
+
+@section("compiled_train")
+def compiled_train():
+    need_neuron()
+    ref = reference_device()
+    torch.manual_seed(0)
+    model = GPT()
+    configs = {"neuron_compiled": ("neuron", "neuron"), "reference_eager": (ref, None)}
+    if ref == "cuda":
+        configs["inductor"] = (ref, "inductor")
+    found = {"reference": ref, "unit": "ms per step", "batch": [8, 64]}
+    for name, (device, backend) in configs.items():
+        try:
+            step, device = _compiled_train_step(model, device, backend)
+            start = time.perf_counter()
+            losses = [float(step()) for _ in range(3)]   # compiles (forward, backward, optimizer)
+            sync(device)
+            found[f"{name}_first_3_steps_s"] = time.perf_counter() - start
+            found[name] = _per_call_us(step, device, calls=10, repeats=3) / 1e3
+            found[f"{name}_losses"] = losses
+        except Exception as err:  # noqa: BLE001 - Inductor needs triton; its absence is a finding
+            if name == "neuron_compiled":
+                raise
+            found[f"{name}_error"] = f"{type(err).__name__}: {err}"[:500]
+    n, r = found["neuron_compiled_losses"], found["reference_eager_losses"]
+    found["loss_max_relative_diff"] = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(n, r))
+    found["compiled_vs_reference_eager"] = found["reference_eager"] / found["neuron_compiled"]
+    if "inductor" in found:
+        found["compiled_vs_inductor"] = found["inductor"] / found["neuron_compiled"]
+    for name, value in found.items():
+        print(f"{name}: {value:.3f}" if isinstance(value, float) else f"{name}: {value}")
+    if found["loss_max_relative_diff"] > 1e-3:
+        raise AssertionError(f"compiled training losses differ from {ref}'s beyond 1e-3: {n} vs {r}")
+    return found
+
+
+def collectives_worker(out: str) -> int:
+    """One torchrun rank of the ``collectives`` section: results go to ``out``.rank<r>.json."""
+    import torch.distributed as dist
+    need_neuron()
+    dist.init_process_group("neuron")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.distributed_c10d._get_default_group()   # the neuron process group itself
+    found = {"rank": rank, "world": world, "group": type(group).__name__,
+             "engine": getattr(group, "engine_name", None), "transport": type(getattr(group, "_stage", None)).__name__}
+    dev = torch.device("neuron")
+    x = torch.arange(1000, dtype=torch.float32, device=dev) * (rank + 1)
+    dist.all_reduce(x)
+    expect = torch.arange(1000, dtype=torch.float32) * sum(range(1, world + 1))
+    checks = {"all_reduce": bool(torch.equal(x.cpu(), expect))}
+    gathered = torch.empty(world * 8, device=dev)
+    dist.all_gather_into_tensor(gathered, torch.full((8,), float(rank), device=dev))
+    checks["all_gather_into_tensor"] = bool(torch.equal(
+        gathered.cpu(), torch.arange(world).float().repeat_interleave(8)))
+    shard = torch.empty(4, device=dev)
+    dist.reduce_scatter_tensor(shard, torch.ones(world * 4, device=dev))
+    checks["reduce_scatter_tensor"] = bool(torch.equal(shard.cpu(), torch.full((4,), float(world))))
+    b = torch.full((16,), float(rank), device=dev)
+    dist.broadcast(b, src=0)
+    checks["broadcast"] = bool(torch.equal(b.cpu(), torch.zeros(16)))
+    found["checks"] = checks
+    big = torch.ones(16 << 20, device=dev)   # 64 MiB
+    dist.all_reduce(big)
+    torch.neuron.synchronize()
+    before = {k: torchneuron.metrics()[k] for k in ("d2h_copies", "h2d_copies")}
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        dist.all_reduce(big)
+        torch.neuron.synchronize()
+        times.append(time.perf_counter() - start)
+    found["all_reduce_64MiB_ms"] = statistics.median(times) * 1e3
+    # Host<->device copies made by the five timed all-reduces (none when the tensors are shared).
+    found["host_copies_of_5_all_reduces"] = {k: torchneuron.metrics()[k] - v for k, v in before.items()}
+    dist.destroy_process_group()
+    with open(f"{out}.rank{rank}.json", "w") as f:
+        json.dump(found, f)
+    return 0 if all(checks.values()) else 1
+
+
+@section("collectives")
+def collectives():
+    need_neuron()
+    ranks = 2 if torch.cuda.device_count() >= 2 or not torch.cuda.is_available() else 1
+    out = os.path.join(tempfile.mkdtemp(prefix="torchneuron-smoke-dist-"), "result")
+    env = dict(os.environ, TORCHNEURON_COLLECTIVES="shared", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+           os.path.abspath(__file__), "--collectives-worker", out]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    found = {"ranks": ranks, "returncode": proc.returncode}
+    for r in range(ranks):
+        path = f"{out}.rank{r}.json"
+        found[f"rank{r}"] = json.load(open(path)) if os.path.exists(path) else None
+    for name, value in found.items():
+        print(f"{name}: {value}")
+    if proc.returncode != 0 or any(found[f"rank{r}"] is None for r in range(ranks)):
+        raise RuntimeError(f"torchrun exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return found
+
+
+TESTS_BUDGET_S = 120
+TEST_MODULES = ("tests/test_device_module.py", "tests/test_memory.py", "tests/test_cache.py",
+                "tests/test_kernels.py")
+
+
+@section("tests")
+def tests():
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "src"), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *TEST_MODULES]
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=TESTS_BUDGET_S)
+        output, timed_out = proc.stdout + proc.stderr, False
+    except subprocess.TimeoutExpired as err:
+        output = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        timed_out = True
+    lines = output.splitlines()
+    found = {"modules": list(TEST_MODULES), "timed_out": timed_out,
+             "summary": next((ln for ln in reversed(lines) if " in " in ln and ("passed" in ln or "failed" in ln
+                                                                               or "error" in ln)), None),
+             "failures": [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))][:60]}
+    for name, value in found.items():
+        print(f"{name}: {value}")
+    if timed_out:
+        raise TimeoutError(f"the test modules did not finish within {TESTS_BUDGET_S} s; last output:\n"
+                           + "\n".join(lines[-20:]))
+    return found
+
+
 def summary():
     sections = RESULTS["sections"]
     failed = [n for n, s in sections.items() if not s["ok"]]
@@ -361,7 +533,10 @@ def summary():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the results as JSON to this path")
+    parser.add_argument("--collectives-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.collectives_worker:
+        return collectives_worker(args.collectives_worker)
     RESULTS["date"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     start = time.perf_counter()
     for name, fn in SECTIONS:

@@ -96,8 +96,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_env(rank: int, port: int) -> dict:
-    env = dict(os.environ)
+def _worker_env(rank: int, port: int, extra: dict | None = None) -> dict:
+    env = dict(os.environ, **(extra or {}))
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]))
@@ -107,14 +107,15 @@ def _worker_env(rank: int, port: int) -> dict:
 class _Job:
     """WORLD worker processes started now; ``result()`` waits for them until the deadline."""
 
-    def __init__(self, out: Path, worker: str, *args: str, deadline: float = LAUNCH_DEADLINE):
+    def __init__(self, out: Path, worker: str, *args: str, deadline: float = LAUNCH_DEADLINE,
+                 env: dict | None = None):
         out.mkdir(parents=True, exist_ok=True)
         self.worker, self.deadline = worker, deadline
         self.end = time.monotonic() + deadline
         port = _free_port()
         self.logs = [open(out / f"{worker}.rank{rank}.log", "w+") for rank in range(WORLD)]
         self.procs = [subprocess.Popen([sys.executable, str(HERE), worker, str(out), *args], cwd=ROOT,
-                                       env=_worker_env(rank, port), stdout=log, stderr=subprocess.STDOUT)
+                                       env=_worker_env(rank, port, env), stdout=log, stderr=subprocess.STDOUT)
                       for rank, log in enumerate(self.logs)]
         self._result = None
 
@@ -136,8 +137,9 @@ class _Job:
         return self._result
 
 
-def _launch(out: Path, worker: str, *args: str, deadline: float = LAUNCH_DEADLINE) -> list[tuple[int, str]]:
-    return _Job(out, worker, *args, deadline=deadline).result()
+def _launch(out: Path, worker: str, *args: str, deadline: float = LAUNCH_DEADLINE,
+            env: dict | None = None) -> list[tuple[int, str]]:
+    return _Job(out, worker, *args, deadline=deadline, env=env).result()
 
 
 def _read(log) -> str:
@@ -183,6 +185,18 @@ def _scenario(suite, name):
         text = status.read_text()
         assert text == "ok", f"scenario {name} failed on rank {rank}:\n{text}"
     return out
+
+
+SCENARIOS = ("collectives", "tp", "fsdp", "pipeline", "dcp_train")
+
+
+def test_every_scenario_matches_cpu_with_dlpack_shared_tensors(tmp_path):
+    # TORCHNEURON_COLLECTIVES=shared: the engine works on torch tensors that share the device
+    # buffers through DLPack (NCCL's path on CUDA), here with gloo on the CPU platform; the
+    # collectives scenario also checks that no host copy is made.
+    results = _launch(tmp_path, "suite", env={"TORCHNEURON_COLLECTIVES": "shared"})
+    for name in SCENARIOS:
+        _scenario((tmp_path, results), name)
 
 
 def test_collectives_match_cpu(suite):
@@ -496,7 +510,10 @@ def _scenario_collectives(dist, rank, out):
     assert m1["collectives"]["all_reduce"] == m0["collectives"]["all_reduce"] + 1
     assert m1["collective_bytes"] == m0["collective_bytes"] + 1024
     assert m1["collective_seconds"] > m0["collective_seconds"]
-    assert m1["d2h_copies"] == m0["d2h_copies"] + 1 and m1["h2d_copies"] == m0["h2d_copies"] + 1
+    copies = (m1["d2h_copies"] - m0["d2h_copies"], m1["h2d_copies"] - m0["h2d_copies"])
+    # Host staging copies the payload out and the result in; DLPack sharing copies nothing.
+    expected = (0, 0) if os.environ.get("TORCHNEURON_COLLECTIVES") == "shared" else (1, 1)
+    assert copies == expected, (copies, expected)
 
     try:
         dist.all_gather_into_tensor(torch.empty(12), inp(rank).to(dev))
@@ -616,8 +633,10 @@ def _scenario_dcp_train(dist, rank, out):
 
 def worker_suite(out: Path):
     dist, rank = _init()   # the default device map: neuron tensors -> neuron, CPU tensors -> gloo
-    for name, fn in [("collectives", _scenario_collectives), ("tp", _scenario_tp), ("fsdp", _scenario_fsdp),
-                     ("pipeline", _scenario_pipeline), ("dcp_train", _scenario_dcp_train)]:
+    scenarios = {"collectives": _scenario_collectives, "tp": _scenario_tp, "fsdp": _scenario_fsdp,
+                 "pipeline": _scenario_pipeline, "dcp_train": _scenario_dcp_train}
+    assert tuple(scenarios) == SCENARIOS
+    for name, fn in scenarios.items():
         try:
             result = fn(dist, rank, out)
             if result is not None and rank == 0:

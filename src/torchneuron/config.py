@@ -23,6 +23,7 @@ _CHOICES = {
     "device_checks": ("deferred", "sync", "off"),
     "shapes": ("static", "bucketed"),
     "cuda": ("", "neuron"),
+    "collectives": ("auto", "host", "shared"),
 }
 
 
@@ -139,6 +140,11 @@ class Config:
     # When set, a neuron allocation that fails with torch.OutOfMemoryError first writes
     # torch.neuron.memory._snapshot() to this path (a pickle PyTorch's memory visualizer reads).
     oom_snapshot: str = ""
+    # How the neuron process group moves collectives on neuron tensors: "host" (copies in host
+    # memory, run by gloo), "shared" (tensors sharing the device buffers through DLPack, run by NCCL
+    # on the CUDA platform and by gloo elsewhere), or "auto": "shared" on CUDA when torch has NCCL,
+    # else "host". Read when a process group is created.
+    collectives: str = "auto"
     # "neuron": a CUDA script runs unchanged on neuron (torchneuron.transfer_cuda() at import):
     # "cuda" devices, .cuda(), torch.cuda.*, autocast("cuda") and GradScaler("cuda") map to neuron.
     cuda: str = ""

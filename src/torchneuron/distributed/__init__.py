@@ -6,7 +6,8 @@
     model = DistributedDataParallel(model.to("neuron"))
 
 Collectives on neuron tensors are staged through host memory and run by gloo (its TCP transport,
-torchrun's rendezvous and the group's timeout); CPU tensors on the same group go to gloo directly.
+torchrun's rendezvous and the group's timeout), or on CUDA shared with torch through DLPack and run
+by NCCL; CPU tensors on the same group go to gloo directly.
 See docs/distributed.md.
 """
 

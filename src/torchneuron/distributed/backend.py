@@ -1,15 +1,17 @@
-"""The ``neuron`` c10d process group: collectives on neuron tensors, staged through host memory over gloo.
+"""The ``neuron`` c10d process group: collectives on neuron tensors, run by an existing engine.
 
 c10d cannot take a Python ``Backend``, but it accepts a Python ``ProcessGroup`` subclass from a
 registered creator; its methods are reached both from ``torch.distributed``'s Python API and from
 C++ callers (DDP's reducer, functional collectives used by DTensor/FSDP2) through PyTorch's
 trampoline. Every collective here:
 
-1. copies each neuron input to a host tensor (one device->host copy, counted in metrics);
-2. runs the same collective on those host tensors with an internal ``ProcessGroupGloo``, which owns
-   the transport, the rendezvous through the c10d store, and the timeout;
-3. when gloo completes, copies results back into the neuron outputs (host->device), on the thread
-   that waits for the ``Work`` or, for futures (DDP), on gloo's thread; then the work is complete.
+1. gives each neuron input to the engine as a tensor of its own (``staging``: a host copy for gloo,
+   or a device copy shared through DLPack for NCCL on CUDA, ``config.collectives``);
+2. runs the same collective on those tensors with an internal ``ProcessGroupGloo`` (or
+   ``ProcessGroupNCCL``), which owns the transport, the rendezvous through the c10d store, and the
+   timeout;
+3. when the engine completes, writes results back into the neuron outputs, on the thread that
+   waits for the ``Work`` or, for futures (DDP), on the engine's thread; then the work is complete.
 
 CPU tensors skip the staging and go straight to gloo, so one group serves both devices (the default
 ``init_process_group()`` device map routes CPU to gloo this way). The internal gloo backend is also
@@ -36,6 +38,7 @@ from torch._C._distributed_c10d import (
     ReduceScatterOptions,
 )
 
+from ..config import config
 from ..metrics import metrics
 from . import staging
 
@@ -281,6 +284,10 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._gloo.options.group_name = group_name
         self._gloo._set_sequence_number_for_group()
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
+        # Neuron tensors: host copies over gloo, or DLPack-shared CUDA tensors over NCCL
+        # (config.collectives; staging.transport says which).
+        self._stage, self.engine_name = staging.transport(config.collectives, config.platform)
+        self._engine = self._gloo if self.engine_name == "gloo" else _nccl(store, rank, size, timeout, group_name)
         self._coalesced: list[dist.Work] | None = None
 
     # -- identity -----------------------------------------------------------------------------
@@ -299,6 +306,10 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         return f"ProcessGroupNeuron(rank={self.rank()}, size={self.size()})"
 
     # -- the machinery shared by every collective ----------------------------------------------
+    def _via(self, neuron: bool):
+        """The engine that runs a collective: the transport's for neuron tensors, gloo for CPU ones."""
+        return self._engine if neuron else self._gloo
+
     def _placement(self, name: str, tensors: Sequence[torch.Tensor]) -> bool:
         """True if the collective runs on neuron tensors, False for CPU tensors."""
         kinds = {t.device.type for t in tensors}
@@ -340,6 +351,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         def complete(err: BaseException | None):
             if err is not None:
                 raise self._fail(name, tensors, err, started) from err
+            self._stage.settle(work)
             value = finish()
             staging.flush()
             with _metrics_lock:
@@ -360,7 +372,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         name = "all_reduce"
         neuron = self._placement(name, tensors)
         red, factor = _reduce_op(opts.reduceOp)
-        host = [staging.to_host(t) for t in tensors] if neuron else list(tensors)
+        host = [self._stage.to_engine(t) for t in tensors] if neuron else list(tensors)
         if factor is not None:
             for h in host:
                 h.mul_(factor)
@@ -370,9 +382,9 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         def finish():
             if neuron:
                 for t, h in zip(tensors, host):
-                    staging.to_device(t, h)
+                    self._stage.to_device(t, h)
             return list(tensors)
-        return self._run(name, tensors, staging.nbytes(tensors), lambda: self._gloo.allreduce(host, gopts), finish)
+        return self._run(name, tensors, staging.nbytes(tensors), lambda: self._via(neuron).allreduce(host, gopts), finish)
 
     def allreduce_coalesced(self, tensors, opts=None):
         name = "all_reduce_coalesced"
@@ -383,7 +395,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         if opts is not None:
             gopts.timeout = opts.timeout
         # One flat host buffer per dtype: one gloo all-reduce however many tensors DDP/FSDP pass.
-        groups = staging.flatten_by_dtype(tensors) if neuron else None
+        groups = self._stage.flatten_by_dtype(tensors) if neuron else None
         works = []
         if neuron:
             for flat, members in groups:
@@ -391,10 +403,10 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                     flat.mul_(factor)
 
                 def finish(flat=flat, members=members):
-                    staging.unflatten_to_device(flat, members)
+                    self._stage.unflatten_to_device(flat, members)
                     return [m for _, m, _ in members]
                 works.append(self._run(name, [m for _, m, _ in members], flat.nbytes,
-                                       lambda flat=flat: self._gloo.allreduce([flat], gopts), finish))
+                                       lambda flat=flat: self._engine.allreduce([flat], gopts), finish))
         else:
             for t in tensors:
                 if factor is not None:
@@ -410,23 +422,23 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         neuron = self._placement(name, tensors)
         root = self.rank() == opts.rootRank
         if neuron:
-            host = [staging.to_host(t) if root else staging.empty_like(t) for t in tensors]
+            host = [self._stage.to_engine(t) if root else self._stage.empty_like(t) for t in tensors]
         else:
             host = list(tensors)
 
         def finish():
             if neuron and not root:
                 for t, h in zip(tensors, host):
-                    staging.to_device(t, h)
+                    self._stage.to_device(t, h)
             return list(tensors)
-        return self._run(name, tensors, staging.nbytes(tensors), lambda: self._gloo.broadcast(host, opts), finish)
+        return self._run(name, tensors, staging.nbytes(tensors), lambda: self._via(neuron).broadcast(host, opts), finish)
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
         name = "reduce"
         neuron = self._placement(name, tensors)
         red, factor = _reduce_op(opts.reduceOp)
-        host = [staging.to_host(t) for t in tensors] if neuron else list(tensors)
+        host = [self._stage.to_engine(t) for t in tensors] if neuron else list(tensors)
         if factor is not None:
             for h in host:
                 h.mul_(factor)
@@ -437,9 +449,9 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         def finish():
             if neuron and root:
                 for t, h in zip(tensors, host):
-                    staging.to_device(t, h)
+                    self._stage.to_device(t, h)
             return list(tensors)
-        return self._run(name, tensors, staging.nbytes(tensors), lambda: self._gloo.reduce(host, gopts), finish)
+        return self._run(name, tensors, staging.nbytes(tensors), lambda: self._via(neuron).reduce(host, gopts), finish)
 
     # -- all-gather ----------------------------------------------------------------------------
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -448,8 +460,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         flat_out = [t for row in output_tensors for t in row]
         neuron = self._placement(name, list(input_tensors) + flat_out)
         if neuron:
-            host_in = [staging.to_host(t) for t in input_tensors]
-            host_out = [[staging.empty_like(t) for t in row] for row in output_tensors]
+            host_in = [self._stage.to_engine(t) for t in input_tensors]
+            host_out = [[self._stage.empty_like(t) for t in row] for row in output_tensors]
         else:
             host_in, host_out = input_tensors, output_tensors
 
@@ -457,24 +469,24 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             if neuron:
                 for row, hrow in zip(output_tensors, host_out):
                     for t, h in zip(row, hrow):
-                        staging.to_device(t, h)
+                        self._stage.to_device(t, h)
             return output_tensors
         return self._run(name, flat_out, staging.nbytes(flat_out),
-                         lambda: self._gloo.allgather(host_out, host_in, opts), finish)
+                         lambda: self._via(neuron).allgather(host_out, host_in, opts), finish)
 
     def all_gather_single(self, output, input, opts=None):
         opts = opts or AllgatherOptions()
         name = "all_gather_into_tensor"
         neuron = self._placement(name, [output, input])
-        host_in = staging.to_host(input) if neuron else input
-        host_out = staging.empty_like(output) if neuron else output
+        host_in = self._stage.to_engine(input) if neuron else input
+        host_out = self._stage.empty_like(output) if neuron else output
 
         def finish():
             if neuron:
-                staging.to_device(output, host_out)
+                self._stage.to_device(output, host_out)
             return [output]
         return self._run(name, [output], staging.nbytes([output]),
-                         lambda: self._gloo._allgather_base(host_out, host_in, opts), finish)
+                         lambda: self._via(neuron)._allgather_base(host_out, host_in, opts), finish)
 
     _allgather_base = all_gather_single
 
@@ -491,17 +503,17 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         # input's r-th shard, which is copied into the matching slice of each output.
         works = []
         size = self.size()
-        for flat, members in staging.flatten_by_dtype(inputs):
-            gathered = staging.buffer((size * flat.numel(),), flat.dtype)
+        for flat, members in self._stage.flatten_by_dtype(inputs):
+            gathered = self._stage.buffer((size * flat.numel(),), flat.dtype, inputs[0].device.index or 0)
             outs = [outputs[i] for i, _, _ in members]
 
             def finish(gathered=gathered, members=members, outs=outs):
                 blocks = gathered.view(size, -1)
                 for out, (_, _, (start, numel)) in zip(outs, members):
-                    staging.to_device(out, blocks[:, start:start + numel].reshape(out.shape))
+                    self._stage.to_device(out, blocks[:, start:start + numel].reshape(out.shape))
                 return outs
             works.append(self._run(name, outs, gathered.nbytes,
-                                   lambda g=gathered, f=flat: self._gloo._allgather_base(g, f, opts), finish))
+                                   lambda g=gathered, f=flat: self._engine._allgather_base(g, f, opts), finish))
         return works[0] if len(works) == 1 else _combined_work(works)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -520,8 +532,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         neuron = self._placement(name, list(output_tensors) + flat_in)
         red, factor = _reduce_op(opts.reduceOp)
         if neuron:
-            host_in = [[staging.to_host(t) for t in row] for row in input_tensors]
-            host_out = [staging.empty_like(t) for t in output_tensors]
+            host_in = [[self._stage.to_engine(t) for t in row] for row in input_tensors]
+            host_out = [self._stage.empty_like(t) for t in output_tensors]
         else:
             host_in = [[t.clone() for t in row] for row in input_tensors] if factor is not None else input_tensors
             host_out = output_tensors
@@ -535,10 +547,10 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         def finish():
             if neuron:
                 for t, h in zip(output_tensors, host_out):
-                    staging.to_device(t, h)
+                    self._stage.to_device(t, h)
             return list(output_tensors)
         return self._run(name, list(output_tensors), staging.nbytes(flat_in),
-                         lambda: self._gloo.reduce_scatter(host_out, host_in, gopts), finish)
+                         lambda: self._via(neuron).reduce_scatter(host_out, host_in, gopts), finish)
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or ReduceScatterOptions()
@@ -546,7 +558,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         neuron = self._placement(name, [output, input])
         red, factor = _reduce_op(opts.reduceOp)
         if neuron:
-            host_in, host_out = staging.to_host(input), staging.empty_like(output)
+            host_in, host_out = self._stage.to_engine(input), self._stage.empty_like(output)
         else:
             host_in = input.clone() if factor is not None else input
             host_out = output
@@ -557,10 +569,10 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
         def finish():
             if neuron:
-                staging.to_device(output, host_out)
+                self._stage.to_device(output, host_out)
             return [output]
         return self._run(name, [output], staging.nbytes([input]),
-                         lambda: self._gloo._reduce_scatter_base(host_out, host_in, gopts), finish)
+                         lambda: self._via(neuron)._reduce_scatter_base(host_out, host_in, gopts), finish)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -577,18 +589,18 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         size = self.size()
         works = []
         # Per dtype, one buffer whose r-th block holds every input's r-th shard: one gloo op.
-        for flat, members in staging.flatten_by_dtype(inputs, blocks=size):
+        for flat, members in self._stage.flatten_by_dtype(inputs, blocks=size):
             if factor is not None:
                 flat.mul_(factor)
-            shard = staging.buffer((flat.numel() // size,), flat.dtype)
+            shard = self._stage.buffer((flat.numel() // size,), flat.dtype, inputs[0].device.index or 0)
             outs = [outputs[i] for i, _, _ in members]
 
             def finish(shard=shard, members=members, outs=outs):
                 for out, (_, _, (start, numel)) in zip(outs, members):
-                    staging.to_device(out, shard[start // size:(start + numel) // size].view(out.shape))
+                    self._stage.to_device(out, shard[start // size:(start + numel) // size].view(out.shape))
                 return outs
             works.append(self._run(name, outs, flat.nbytes,
-                                   lambda s=shard, f=flat: self._gloo._reduce_scatter_base(s, f, gopts), finish))
+                                   lambda s=shard, f=flat: self._engine._reduce_scatter_base(s, f, gopts), finish))
         return works[0] if len(works) == 1 else _combined_work(works)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -598,16 +610,16 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         opts = opts or dist.AllToAllOptions()
         name = "all_to_all_single"
         neuron = self._placement(name, [output, input])
-        host_in = staging.to_host(input) if neuron else input
-        host_out = staging.empty_like(output) if neuron else output
+        host_in = self._stage.to_engine(input) if neuron else input
+        host_out = self._stage.empty_like(output) if neuron else output
         out_splits, in_splits = list(output_split_sizes), list(input_split_sizes)
 
         def finish():
             if neuron:
-                staging.to_device(output, host_out)
+                self._stage.to_device(output, host_out)
             return [output]
         return self._run(name, [output, input], max(staging.nbytes([output]), staging.nbytes([input])),
-                         lambda: self._gloo.alltoall_base(host_out, host_in, out_splits, in_splits, opts), finish)
+                         lambda: self._via(neuron).alltoall_base(host_out, host_in, out_splits, in_splits, opts), finish)
 
     alltoall_base = all_to_all_single
 
@@ -616,18 +628,18 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         name = "all_to_all"
         neuron = self._placement(name, list(output_tensors) + list(input_tensors))
         if neuron:
-            host_in = [staging.to_host(t) for t in input_tensors]
-            host_out = [staging.empty_like(t) for t in output_tensors]
+            host_in = [self._stage.to_engine(t) for t in input_tensors]
+            host_out = [self._stage.empty_like(t) for t in output_tensors]
         else:
             host_in, host_out = input_tensors, output_tensors
 
         def finish():
             if neuron:
                 for t, h in zip(output_tensors, host_out):
-                    staging.to_device(t, h)
+                    self._stage.to_device(t, h)
             return list(output_tensors)
         return self._run(name, list(output_tensors), max(staging.nbytes(output_tensors), staging.nbytes(input_tensors)),
-                         lambda: self._gloo.alltoall(host_out, host_in, opts), finish)
+                         lambda: self._via(neuron).alltoall(host_out, host_in, opts), finish)
 
     # -- gather / scatter ----------------------------------------------------------------------
     def gather(self, output_tensors, input_tensors, opts=None):
@@ -636,8 +648,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         flat_out = [t for row in output_tensors for t in row]
         neuron = self._placement(name, list(input_tensors) + flat_out)
         if neuron:
-            host_in = [staging.to_host(t) for t in input_tensors]
-            host_out = [[staging.empty_like(t) for t in row] for row in output_tensors]
+            host_in = [self._stage.to_engine(t) for t in input_tensors]
+            host_out = [[self._stage.empty_like(t) for t in row] for row in output_tensors]
         else:
             host_in, host_out = input_tensors, output_tensors
 
@@ -645,10 +657,10 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             if neuron:
                 for row, hrow in zip(output_tensors, host_out):
                     for t, h in zip(row, hrow):
-                        staging.to_device(t, h)
+                        self._stage.to_device(t, h)
             return output_tensors
         return self._run(name, list(input_tensors), max(staging.nbytes(flat_out), staging.nbytes(input_tensors)),
-                         lambda: self._gloo.gather(host_out, host_in, opts), finish)
+                         lambda: self._via(neuron).gather(host_out, host_in, opts), finish)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ScatterOptions()
@@ -656,18 +668,18 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         flat_in = [t for row in input_tensors for t in row]
         neuron = self._placement(name, list(output_tensors) + flat_in)
         if neuron:
-            host_in = [[staging.to_host(t) for t in row] for row in input_tensors]
-            host_out = [staging.empty_like(t) for t in output_tensors]
+            host_in = [[self._stage.to_engine(t) for t in row] for row in input_tensors]
+            host_out = [self._stage.empty_like(t) for t in output_tensors]
         else:
             host_in, host_out = input_tensors, output_tensors
 
         def finish():
             if neuron:
                 for t, h in zip(output_tensors, host_out):
-                    staging.to_device(t, h)
+                    self._stage.to_device(t, h)
             return list(output_tensors)
         return self._run(name, list(output_tensors), max(staging.nbytes(flat_in), staging.nbytes(output_tensors)),
-                         lambda: self._gloo.scatter(host_out, host_in, opts), finish)
+                         lambda: self._via(neuron).scatter(host_out, host_in, opts), finish)
 
     # -- barrier and point-to-point ------------------------------------------------------------
     def barrier(self, opts=None):
@@ -678,27 +690,28 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def send(self, tensors, dst_rank, tag=0):
         name = "send"
         neuron = self._placement(name, tensors)
-        host = [staging.to_host(t) for t in tensors] if neuron else list(tensors)
-        return self._run(name, tensors, staging.nbytes(tensors), lambda: self._gloo.send(host, dst_rank, tag),
+        host = [self._stage.to_engine(t) for t in tensors] if neuron else list(tensors)
+        return self._run(name, tensors, staging.nbytes(tensors), lambda: self._via(neuron).send(host, dst_rank, tag),
                          lambda: list(tensors))
 
     def _recv(self, tensors, launch, anysource):
         name = "recv"
         neuron = self._placement(name, tensors)
-        host = [staging.empty_like(t) for t in tensors] if neuron else list(tensors)
+        host = [self._stage.empty_like(t) for t in tensors] if neuron else list(tensors)
 
         def finish():
             if neuron:
                 for t, h in zip(tensors, host):
-                    staging.to_device(t, h)
+                    self._stage.to_device(t, h)
             return list(tensors)
-        return self._run(name, tensors, staging.nbytes(tensors), lambda: launch(host), finish, source_rank=anysource)
+        return self._run(name, tensors, staging.nbytes(tensors), lambda: launch(self._via(neuron), host), finish,
+                         source_rank=anysource)
 
     def recv(self, tensors, src_rank, tag=0):
-        return self._recv(tensors, lambda host: self._gloo.recv(host, src_rank, tag), anysource=False)
+        return self._recv(tensors, lambda engine, host: engine.recv(host, src_rank, tag), anysource=False)
 
     def recv_anysource(self, tensors, tag=0):
-        return self._recv(tensors, lambda host: self._gloo.recv_anysource(host, tag), anysource=True)
+        return self._recv(tensors, lambda engine, host: engine.recv_anysource(host, tag), anysource=True)
 
     # -- coalescing (``_coalescing_manager(device=...)``) ---------------------------------------
     def _start_coalescing(self, device=None) -> None:
@@ -709,6 +722,13 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def _end_coalescing(self, device=None) -> NeuronWork:
         works, self._coalesced = self._coalesced or [], None
         return _combined_work(works)
+
+
+def _nccl(store, rank: int, size: int, timeout: datetime.timedelta, group_name: str):
+    """PyTorch's NCCL process group over the same rendezvous (its keys under their own prefix)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(dist.PrefixStore(f"neuron-nccl/{group_name}/", store), rank, size, options)
 
 
 def create(backend_opts, pg_options=None) -> ProcessGroupNeuron:
