@@ -294,3 +294,27 @@ def test_an_op_refused_after_its_storages_grew_keeps_exact_keys(bucketed, monkey
     finally:
         from jax._src import monitoring
         monitoring.unregister_event_duration_listener(on_duration)
+
+
+def test_bucketed_in_place_ops_update_their_storage_where_it_is(bucketed):
+    # A bucketed executable that writes a storage donates its buffer, as exact ones do: a loop of
+    # in-place updates on a bucketed storage keeps one buffer (no copy of the storage per op).
+    for t in (7, 13, 21, 27):
+        a = torch.randn(2, t, 4)
+        y = a.to("neuron") * 2          # bucketed from the second length on: a boxed storage
+        rec = memory.record_of(y)
+        ref = a * 2
+        y.add_(1.0)
+        ref.add_(1.0)
+        address = rec.buf.unsafe_buffer_pointer()
+        copies = _extra("donation_copies")
+        for _ in range(3):
+            y.mul_(1.5)
+            ref.mul_(1.5)
+            y.add_(0.25)
+            ref.add_(0.25)
+        torch.testing.assert_close(y.cpu(), ref)
+        if rec.boxed:
+            assert rec.buf.unsafe_buffer_pointer() == address, t
+            assert _extra("donation_copies") == copies, t
+    assert _extra("bucketed_eager_compiles") > 0

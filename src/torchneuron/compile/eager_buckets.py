@@ -38,7 +38,7 @@ from ..metrics import metrics
 from ..ops import checks
 from ..ops import dynamic as dyn
 from ..ops.signature import OPT_TENSOR_LIST, TENSOR_LIST, registry_name
-from ..runtime import inputs, layout, memory, pjrt, sites
+from ..runtime import donation, inputs, layout, memory, pjrt, sites
 from ..runtime.dtypes import jax_dtype
 from ..runtime.executable import Executable
 from ..runtime.inputs import CPU_SCALAR, EMPTY, is_view
@@ -421,6 +421,7 @@ class _EagerProgram:
         self.flat = self._flat_elementwise(target, out)
         self.flat_out_exprs = _shape_exprs(out) if self.flat else None
         self.compiled = None
+        self.donated = ()
         self.checks = ()
 
     def _flat_elementwise(self, target, out) -> bool:
@@ -488,7 +489,8 @@ class _EagerProgram:
         extras = [memory.jax_put(v, self.device_index) for v in extras]
         first = []     # the results of the call that compiled the program, handed to that call
         if self.compiled is None:
-            first.append(self.compile_with(ctx.bufs, ctx.runtime, extras, specs))
+            # The storage an in-place op writes donates its buffer (XLA updates it where it is).
+            first.append(self.compile_with(ctx.bufs, ctx.runtime, extras, specs, donation.argnums(planned.writes)))
         compiled = self.compiled
 
         def call(*flat):
@@ -499,9 +501,10 @@ class _EagerProgram:
         exe = Executable(call, self.kernel.short_name, planned.writes, planned.check_mode, self.checks,
                          out_specs=planned.out_specs)
         exe.boxed = True
+        exe.donated = self.donated   # the slots the program donates: made private before each call
         return exe
 
-    def compile_with(self, bufs, runtime, extras, specs):
+    def compile_with(self, bufs, runtime, extras, specs, donated=()):
         start = time.perf_counter()
         trace = _EagerTrace(self, specs)
 
@@ -514,7 +517,8 @@ class _EagerProgram:
             # Compiled under the persistent cache as graphs are: a second process serving the same
             # traffic loads the program instead of compiling it.
             with cache.graph_compile_context() as hits:
-                jitted = jax.jit(run, out_shardings=sharding)
+                jitted = jax.jit(run, out_shardings=sharding, donate_argnums=donated)
+                donation.make_private(bufs, donated, self.device_index)
                 results = jitted(*bufs, *runtime, *extras)
         except NoRule:
             raise
@@ -524,6 +528,7 @@ class _EagerProgram:
                 raise error from None
             raise NoRule(self.kernel.short_name, f"{type(error).__name__}: {error}") from None
         self.compiled = jitted
+        self.donated = donated
         self.checks = trace.checks
         seconds = time.perf_counter() - start
         metrics.compile_seconds += seconds
