@@ -73,6 +73,34 @@ def test_convolutions_follow_cudnn_allow_tf32(conv_tf32):
     assert _precisions(jax.jit(lambda *a: conv(*a)).lower(x, w).as_text()) == {"HIGHEST"}
 
 
+def test_recurrent_networks_follow_cudnns_setting_and_recompile_when_it_changes(conv_tf32, monkeypatch):
+    from torchneuron.ops.rnn import rnn_fused
+    x = jnp.ones((5, 2, 3), jnp.float32)
+    hx = [jnp.zeros((1, 2, 4), jnp.float32)] * 2
+    params = [jnp.ones((16, 3), jnp.float32), jnp.ones((16, 4), jnp.float32)]
+
+    def lowered_precisions():
+        return _precisions(jax.jit(lambda x, hx, p: rnn_fused("lstm", x, hx, p, False, 1, 0.0, False, False, False,
+                                                             key=jax.random.key(0))).lower(x, hx, params).as_text())
+    conv_tf32(True)    # PyTorch's default: cuDNN's RNNs use TF32 where the platform has it
+    assert lowered_precisions() == {"HIGH"}
+    conv_tf32(False)
+    assert lowered_precisions() == {"HIGHEST"}
+    # Eager nn.LSTM: the setting is in its kernels' keys; values stay CPU's (XLA:CPU has no TF32).
+    monkeypatch.setattr(torchneuron.config, "cache_dir", "")
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(3, 4)
+    inp = torch.randn(6, 2, 3)
+    want = lstm(inp)[0]
+    dev = torch.nn.LSTM(3, 4).to("neuron")
+    dev.load_state_dict(lstm.state_dict())
+    torch.testing.assert_close(dev(inp.to("neuron"))[0].detach().cpu(), want.detach())
+    torchneuron.metrics.reset()
+    conv_tf32(True)
+    torch.testing.assert_close(dev(inp.to("neuron"))[0].detach().cpu(), want.detach())
+    assert torchneuron.metrics()["eager_compiles"].get("new float32 precision setting", 0) >= 1
+
+
 def test_factorizations_stay_float32_under_the_fast_matmul_setting(matmul_setting):
     matmul_setting("medium")
     a = jnp.eye(4, dtype=jnp.float32) * 2
@@ -138,6 +166,10 @@ def test_the_fp32_precision_api_is_read_too():
         torch.backends.cudnn.conv.fp32_precision = "none"
         torch.backends.cudnn.fp32_precision = "none"
         assert precision.convolution_precision() is jax.lax.Precision.HIGH
+        torch.backends.cudnn.rnn.fp32_precision = "ieee"
+        assert precision.rnn_precision() is jax.lax.Precision.HIGHEST
+        torch.backends.cudnn.rnn.fp32_precision = "tf32"
+        assert precision.rnn_precision() is jax.lax.Precision.HIGH
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

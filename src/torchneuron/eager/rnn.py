@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.precision import RNN
 from ..ops.registry import Lowering
 from ..ops.rnn import GATES, rnn_fused, rnn_fused_backward
 from .kernel import Kernel
@@ -24,8 +25,10 @@ _DEF.define(f"rnn({_ARGS}) -> Tensor[]")
 _DEF.define(f"rnn_backward(Tensor[] grads, Tensor key_data, {_ARGS}) -> Tensor[]")
 
 
-_FORWARD = Lowering(name="rnn", fn=rnn_fused, random=True, derive_variants=False, shape_from_lowering=True)
-_BACKWARD = Lowering(name="rnn_backward", fn=rnn_fused_backward, derive_variants=False, shape_from_lowering=True)
+_FORWARD = Lowering(name="rnn", fn=rnn_fused, random=True, derive_variants=False, shape_from_lowering=True,
+                    precision=RNN)
+_BACKWARD = Lowering(name="rnn_backward", fn=rnn_fused_backward, derive_variants=False, shape_from_lowering=True,
+                     precision=RNN)
 _kernels: dict = {}
 
 

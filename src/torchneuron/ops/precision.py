@@ -2,8 +2,9 @@
 
 PyTorch keeps float32 matmuls at full precision unless ``torch.set_float32_matmul_precision``
 ("high"/"medium"), ``torch.backends.cuda.matmul.allow_tf32`` or the newer ``fp32_precision``
-settings allow TF32 (or bfloat16) arithmetic; convolutions follow ``torch.backends.cudnn.allow_tf32``,
-which is on by default. Lowerings read the setting while they are traced and pass it to XLA as the
+settings allow TF32 (or bfloat16) arithmetic; convolutions and recurrent networks follow
+``torch.backends.cudnn.allow_tf32`` (``cudnn.conv`` / ``cudnn.rnn.fp32_precision``), which is on by
+default: on CUDA PyTorch runs both through cuDNN. Lowerings read the setting while they are traced and pass it to XLA as the
 dot's precision: HIGHEST is float32, HIGH is TF32 where the platform has it (bfloat16x3 on TPU),
 DEFAULT the platform's fastest. XLA:CPU computes float32 either way. The setting is part of every
 cache key of a lowering that reads it (``Lowering.precision``), so changing it compiles anew
@@ -17,6 +18,7 @@ from jax import lax
 
 MATMUL = "matmul"             # mm, bmm, addmm, linear, matmul, linalg products, attention
 CONVOLUTION = "convolution"   # convolution and its backward (cuDNN's setting in PyTorch)
+RNN = "rnn"                   # the gate matmuls of LSTM / GRU / RNN (cuDNN's RNN setting)
 
 HIGHEST, HIGH, DEFAULT = lax.Precision.HIGHEST, lax.Precision.HIGH, lax.Precision.DEFAULT
 _LEGACY_MATMUL = {"highest": HIGHEST, "high": HIGH, "medium": DEFAULT}
@@ -48,7 +50,15 @@ def convolution_precision() -> lax.Precision:
         return _new_api(b.cudnn.conv, b.cudnn, b, default=HIGH)
 
 
-READERS = {MATMUL: matmul_precision, CONVOLUTION: convolution_precision}
+def rnn_precision() -> lax.Precision:
+    try:
+        return HIGH if torch.backends.cudnn.allow_tf32 else HIGHEST
+    except RuntimeError:
+        b = torch.backends
+        return _new_api(getattr(b.cudnn, "rnn", None), b.cudnn, b, default=HIGH)
+
+
+READERS = {MATMUL: matmul_precision, CONVOLUTION: convolution_precision, RNN: rnn_precision}
 
 
 def of(kind: str | None):

@@ -20,16 +20,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from .numerics import compute_dtype
+from .precision import RNN, rnn_precision
 from .registry import lowering
 
-_HIGHEST = lax.Precision.HIGHEST
 # Gates per cell of each recurrent mode.
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 
 
 def _matmul_t(x, w):
-    """x @ w.T at full float32 precision (as PyTorch's CPU matmul)."""
-    return jnp.matmul(x, w.T, precision=_HIGHEST)
+    """x @ w.T at the float32 precision cuDNN's RNN setting asks for (float32 on XLA:CPU)."""
+    return jnp.matmul(x, w.T, precision=rnn_precision())
 
 
 def _layer_params(params, has_biases, num_layers, bidirectional, proj):
@@ -131,7 +131,7 @@ def rnn_stack(mode, input, hx, params, has_biases, num_layers, dropout, train, b
 
 
 # -- ATen forms (used by torch.compile graphs; eager goes through eager/rnn.py) --------------------
-@lowering("lstm.input", random=True, graph_only=True)
+@lowering("lstm.input", random=True, graph_only=True, precision=RNN)
 def lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first, *, key):
     return rnn_stack("lstm", input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
                      batch_first, key)
@@ -147,7 +147,7 @@ def _single_hidden(mode):
 
 
 for _mode in ("gru", "rnn_tanh", "rnn_relu"):
-    lowering(f"{_mode}.input", random=True, graph_only=True)(_single_hidden(_mode))
+    lowering(f"{_mode}.input", random=True, graph_only=True, precision=RNN)(_single_hidden(_mode))
 
 
 # -- the fused forward and backward (eager mode's torchneuron::rnn / rnn_backward, see eager/rnn.py)
