@@ -136,3 +136,10 @@ def test_registration_names_no_op_of_its_own():
              and n.value.count(".") == 1 and " " not in n.value and n.value.split(".")[1][:1].isalpha()}
     names = {n for n in names if n in registry.LOWERINGS or n in oprecord.EAGER}
     assert names <= {"copy_.default", "_conj_physical.default", "neg.default"}, names
+
+
+def test_where_takes_an_op_name_without_its_default_overload():
+    # `where exp` is aten::exp's only overload; `where add` names the overloads to choose from.
+    assert where.facts("exp")["lowering"] == where.facts("exp.default")["lowering"] != "none"
+    with pytest.raises(SystemExit, match="add.Tensor"):
+        where.facts("add")

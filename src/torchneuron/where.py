@@ -14,6 +14,7 @@ import inspect
 import os
 import sys
 
+import torch
 from torch._decomp import decomposition_table
 
 from . import ops  # noqa: F401  (every lowering module, filling the registry)
@@ -96,6 +97,13 @@ def _eager_kernel(rec, overload, dispatcher_name: str) -> str:
 def facts(name: str, platform: str | None = None) -> dict[str, str]:
     """Fact -> where it lives, for one op (``python -m torchneuron.where`` prints these)."""
     platform = platform or config.platform
+    packet = getattr(torch.ops.aten, name, None) if "." not in name else None
+    if packet is not None:
+        # The default overload is the op's only if it takes tensors (aten::add's is on Python scalars).
+        if "default" not in packet.overloads() or "Tensor" not in str(packet.default._schema):
+            raise SystemExit(f"torchneuron.where: aten::{name} has several overloads; name one of "
+                             f"{', '.join(f'{name}.{o}' for o in packet.overloads() if o != 'default')}")
+        name += ".default"   # `where exp` asks about aten::exp, whose overload is exp.default
     rec = oprecord.record(name, platform)
     try:
         overload = aten_overload(name)
