@@ -8,6 +8,9 @@ exactly as eager kernels read them, and mutated inputs are written back into the
 
 from __future__ import annotations
 
+import collections
+import functools
+
 import jax
 import jax.numpy as jnp
 import torch
@@ -59,6 +62,34 @@ def call_signature(args, stable: StableStorages):
     return ins, specs
 
 
+class _Flat:
+    """The value of a whole contiguous storage kept in its buffer's flat shape. Elementwise foreach
+    steps (an optimizer's update) and ``copy_`` back into the storage work on it as it is, so the
+    program has no reshape between a written storage's input and output buffers: with one there,
+    XLA:CPU copies each such buffer before updating it and recomputes the update per output (a
+    foreach AdamW step ran 3x slower). Other steps see it reshaped (``shaped``)."""
+
+    __slots__ = ("array", "shape", "_shaped")
+
+    def __init__(self, array, shape):
+        self.array, self.shape, self._shaped = array, tuple(shape), None
+
+    def shaped(self):
+        if self._shaped is None:
+            self._shaped = self.array.reshape(self.shape)
+        return self._shaped
+
+
+def _unflat(value):
+    return value.shaped() if value.__class__ is _Flat else value
+
+
+@functools.lru_cache(maxsize=1024)
+def _flat_meta(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A meta tensor standing for a flat value's metadata in its step's dtype rules."""
+    return torch.empty((numel,), dtype=dtype, device="meta")
+
+
 class Interpreter:
     """The graph as a pure function of (storage buffers..., runtime values...). After tracing,
     ``writes`` and ``host_writes`` say which results are new buffers of written storages and new
@@ -82,8 +113,12 @@ class Interpreter:
         # and the storage offsets that are runtime inputs.
         self.storages = {}
         offsets = []
+        slots = collections.Counter(spec[inputs.SLOT] for spec in self.specs if inputs.is_view(spec))
         for ph, spec in zip(p.placeholders, self.specs):
-            env[ph], offset = inputs.read(spec, bufs, rt)
+            if _whole_storage(spec, bufs, slots):
+                env[ph], offset = _Flat(bufs[spec[inputs.SLOT]], spec[inputs.SIZES]), 0
+            else:
+                env[ph], offset = inputs.read(spec, bufs, rt)
             offsets.append(offset)
             if inputs.is_view(spec):
                 self.storages[ph] = (bufs[spec[inputs.SLOT]], spec[inputs.DTYPE],
@@ -113,15 +148,15 @@ class Interpreter:
         outputs = []
         for kind, what, dtype, sizes, strides in p.output_plan.buffers:
             if kind == "node":
-                value = cast_and_broadcast(env[what], dtype, what.meta["val"].shape)
+                value = cast_and_broadcast(_unflat(env[what]), dtype, what.meta["val"].shape)
                 outputs.append(layout.to_layout(value, sizes, strides))
                 continue
             storage = jnp.zeros(sizes, jax_dtype(dtype))
             for node, vsizes, vstrides, voffset in what:
-                value = cast_and_broadcast(env[node], dtype, vsizes)
+                value = cast_and_broadcast(_unflat(env[node]), dtype, vsizes)
                 storage = layout.write(storage, value, jax_dtype(dtype), vsizes, vstrides, voffset)
             outputs.append(storage)
-        host = [jnp.asarray(env[node]) for node in p.output_plan.host_outputs]
+        host = [jnp.asarray(_unflat(env[node])) for node in p.output_plan.host_outputs]
         # Input mutations: device storages get their new buffers, CPU inputs their new values.
         new_bufs = {}
         host_writes = []
@@ -130,7 +165,10 @@ class Interpreter:
             if spec is None or spec[0] == inputs.EMPTY:
                 continue
             if spec[0] == inputs.HOST:
-                host_writes.append((i, cast(value, spec[1])))
+                host_writes.append((i, cast(_unflat(value), spec[1])))
+                continue
+            if value.__class__ is _Flat:   # the whole storage, in its buffer's shape and dtype
+                new_bufs[spec[inputs.SLOT]] = value.array
                 continue
             inputs.write_back(new_bufs, bufs, spec, value, offsets[i])
         self.writes = tuple(new_bufs)
@@ -145,7 +183,7 @@ class Interpreter:
         kind = step.kind
         if kind == "getitem":
             src, idx = node.args
-            env[node] = env[src][idx]
+            env[node] = _unflat(env[src])[idx]
             return
         if kind == "sym":
             env[node] = static_value(node)
@@ -159,6 +197,8 @@ class Interpreter:
             return
         sig = step.signature
         values = sig.bind(node.args, node.kwargs, missing=None)
+        if sig.name == "aten::copy_" and self._copy_flat(node, values, env):
+            return
         metas = [meta_of(v) for v in values]
         cpu_dtypes.graph_check(sig, metas)   # rules such as sub of a bool, _foreach_* element by element
         sig.check_dtypes(metas)
@@ -173,6 +213,12 @@ class Interpreter:
             env[node] = _bool_mask_index_put(arrays[0], arrays[1], arrays[2], bool(arrays[3]),
                                              node.meta["val"].dtype)
             return
+        if sig.returns_list and key is None and not sig.mutated and sig.name.startswith("aten::_foreach_"):
+            flat = _flat_lists(values, metas, node.meta.get("val"), env)
+            if flat is not None:   # every tensor a whole storage of its result's shape: computed flat
+                result, _ = _apply(sig, values, *flat, None)
+                env[node] = [_Flat(r, m.shape) for r, m in zip(result, node.meta["val"])]
+                return
         result, mutated = _apply(sig, values, arrays, metas, node.meta.get("val"), key)
         # Mutated arguments: later nodes see the new value; graph inputs are written back.
         for arg, value in mutated:
@@ -209,6 +255,21 @@ class Interpreter:
             value, _ = _apply(sig, values, arrays, metas, out_meta[e] if e < len(out_meta) else None, ekey)
             results.append(value)
         return results
+
+    def _copy_flat(self, node, values, env) -> bool:
+        """``copy_(dst, src)`` of a flat value into a flat graph input of its shape and dtype: the
+        input's new value, flat (``_Flat``). False when another case (the lowering handles it)."""
+        dst, src = values[0], values[1]
+        if not (isinstance(dst, torch.fx.Node) and isinstance(src, torch.fx.Node) and dst in self.ph_index):
+            return False
+        old, new = env[dst], env[src]
+        if not (old.__class__ is _Flat and new.__class__ is _Flat and old.shape == new.shape
+                and old.array.dtype == new.array.dtype):
+            return False
+        value = _Flat(new.array, old.shape)
+        env[dst] = env[node] = value
+        self.mutations[self.ph_index[dst]] = value
+        return True
 
     def _storage_of(self, node, value):
         """(storage, the input's runtime storage offset or None) for as_strided, which indexes the
@@ -264,9 +325,46 @@ def _rebuilt_storage(node, value):
     return layout.write(storage, value, value.dtype, sizes, strides, offset)
 
 
+def _flat_lists(values, metas, out_meta, env):
+    """(arrays, metas, output metas) of a foreach op with every tensor flat (``_Flat`` values of
+    their results' shapes), or None where one is not."""
+    if not isinstance(out_meta, list | tuple) or not out_meta:
+        return None
+    shapes = [tuple(m.shape) for m in out_meta]
+    arrays, flat_metas = [], []
+    for v, m in zip(values, metas):
+        if isinstance(v, torch.fx.Node):
+            return None   # a single tensor (the scalars of a .Tensor overload): the shaped path
+        if isinstance(v, list | tuple) and v and isinstance(v[0], torch.fx.Node):
+            found = [env[x] for x in v]
+            if len(found) != len(shapes) or any(f.__class__ is not _Flat or f.shape != shape
+                                                for f, shape in zip(found, shapes)):
+                return None
+            arrays.append([f.array for f in found])
+            flat_metas.append([_flat_meta(f.array.shape[0], t.dtype) for f, t in zip(found, m)])
+        else:
+            arrays.append(_lookup(v, env))
+            flat_metas.append(m)
+    return arrays, flat_metas, [_flat_meta(t.numel(), t.dtype) for t in out_meta]
+
+
+def _whole_storage(spec, bufs, slots) -> bool:
+    """``spec`` reads all of a storage no other input reads, contiguously and in its buffer's
+    element type: its value may stay in the buffer's flat shape (``_Flat``)."""
+    if not inputs.is_view(spec) or spec[inputs.OFFSET] != 0 or slots[spec[inputs.SLOT]] != 1:
+        return False
+    buf = bufs[spec[inputs.SLOT]]
+    sizes = spec[inputs.SIZES]
+    numel = 1
+    for n in sizes:
+        numel *= n
+    return (buf.ndim == 1 and buf.shape[0] == numel and numel > 0
+            and buf.dtype == jax_dtype(spec[inputs.DTYPE]) and layout.is_contiguous(sizes, spec[inputs.STRIDES]))
+
+
 def _lookup(v, env):
     if isinstance(v, torch.fx.Node):
-        return env[v]
+        return _unflat(env[v])
     if isinstance(v, list | tuple):
         return [_lookup(x, env) for x in v]
     return v
