@@ -56,3 +56,11 @@ cpu_only_ = torch.ops.torchneuron_test.cpu_only_
 def assert_same(neuron_tensor, cpu_tensor, **tol):
     assert neuron_tensor.device.type == "neuron", neuron_tensor.device
     torch.testing.assert_close(neuron_tensor.cpu(), cpu_tensor, **tol)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after the test (its compiles are the test's own)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -40,7 +40,7 @@ _AUTO = {"cpu_intra_op_threads"}
 # Real-valued settings and their smallest value.
 _FLOAT_MINIMUM = {"adaptive_compile_budget": 0.0}
 # Settings that are on or off.
-_BOOL_FIELDS = {"cpu_async_dispatch", "adaptive_overlap", "adaptive_verify_fusion"}
+_BOOL_FIELDS = {"cpu_async_dispatch", "cpu_retain_freed_memory", "adaptive_overlap", "adaptive_verify_fusion"}
 # Choices compared without case or surrounding blanks.
 _NORMALISED = set(_CHOICES) | {"platform", "visible_device"}
 # Settings that are on, off or "auto" (left to the PJRT plugin's own default).
@@ -49,7 +49,7 @@ _AUTO_BOOL = {"gpu_preallocate"}
 _FRACTIONS = {"gpu_memory_fraction"}
 # What the PJRT client is created with: read again, from their variables, when the device starts
 # (torchneuron is imported during `import torch`, often before the program sets its environment).
-START_SETTINGS = ("platform", "visible_device", "gpu_preallocate", "gpu_memory_fraction")
+START_SETTINGS = ("platform", "visible_device", "gpu_preallocate", "gpu_memory_fraction", "cpu_retain_freed_memory")
 # Live settings the program assigned in code: their variables no longer apply at device start.
 _ASSIGNED: set = set()
 
@@ -137,6 +137,11 @@ class Config:
     # across), or "auto": XLA's own choice (one per core, or the NPROC the user set). Read when the
     # CPU client starts.
     cpu_intra_op_threads: int | str = "auto"
+    # CPU platform: device memory is the process heap; keep what it frees (as a GPU's caching
+    # allocator does) instead of page-faulting a training step's large buffers in again every step
+    # (runtime/host_memory.py). Process-wide; torch.neuron.empty_cache() gives the memory back.
+    # Read when the device starts.
+    cpu_retain_freed_memory: bool = True
     # When set, a neuron allocation that fails with torch.OutOfMemoryError first writes
     # torch.neuron.memory._snapshot() to this path (a pickle PyTorch's memory visualizer reads).
     oom_snapshot: str = ""

@@ -42,6 +42,7 @@ from ..runtime.inputs import StableStorages
 from . import cache, custom_kernels, executables
 from .errors import NeuronCompileError, NodeFailure, lowering_error, metric_name
 from .foreach import foreach_plan
+from .fusions import Fusions
 from .interpreter import Interpreter, Step, call_signature
 from .outputs import OutputPlan
 
@@ -99,8 +100,13 @@ class GraphProgram:
     # -- planning ----------------------------------------------------------------------------------
     def _plan(self):
         steps, constants, missing = [], {}, []
+        self.fusions = fusions = Fusions(self.gm.graph, config.platform)
         for node in self.gm.graph.nodes:
-            if node.op in ("placeholder", "output"):
+            if node.op in ("placeholder", "output") or node in fusions.skipped:
+                continue
+            if node in fusions.steps:
+                sig, args = fusions.steps[node]
+                steps.append(Step(node, oprecord.OP, sig, args))
                 continue
             if node.op == "get_attr":
                 value = getattr(self.gm, node.target)
@@ -157,7 +163,7 @@ class GraphProgram:
             h.update(node.name.encode())
             h.update(str((value.dtype, value.shape)).encode())
             h.update(np.ascontiguousarray(value).tobytes())
-        h.update(f"{self.kind}|{config.float64}|{self.device_checks}".encode())
+        h.update(f"{self.kind}|{config.float64}|{self.device_checks}|{self.fusions.describe()}".encode())
         h.update(custom_kernels.fingerprint(custom_kernels.kernels_in(self.steps)).encode())
         return h.hexdigest()
 

@@ -27,12 +27,13 @@ from .outputs import static_value
 class Step:
     """One node to evaluate: ``kind`` is op/index_put (``signature`` an OpSignature), foreach
     (``signature`` a ForeachPlan), auto_functionalized (``signature`` the mutating custom kernel's),
-    getitem or sym."""
+    getitem or sym. ``args``: the arguments the signature binds when not the node's own (a fused
+    pair's step, ``compile/fusions.py``)."""
 
-    __slots__ = ("node", "kind", "signature")
+    __slots__ = ("node", "kind", "signature", "args")
 
-    def __init__(self, node, kind, signature=None):
-        self.node, self.kind, self.signature = node, kind, signature
+    def __init__(self, node, kind, signature=None, args=None):
+        self.node, self.kind, self.signature, self.args = node, kind, signature, args
 
     @property
     def random(self) -> bool:
@@ -196,7 +197,8 @@ class Interpreter:
             env[node] = run_auto_functionalized(step.signature, node, lambda v: _lookup(v, env), meta_of)
             return
         sig = step.signature
-        values = sig.bind(node.args, node.kwargs, missing=None)
+        values = (sig.bind(node.args, node.kwargs, missing=None) if step.args is None
+                  else sig.bind(step.args, {}, missing=None))
         if sig.name == "aten::copy_" and self._copy_flat(node, values, env):
             return
         metas = [meta_of(v) for v in values]

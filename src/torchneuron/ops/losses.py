@@ -75,6 +75,28 @@ def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index
     return jnp.where(hit, jnp.expand_dims(coef, cdim), jnp.zeros((), self.dtype))
 
 
+def log_softmax_nll_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight,
+                             output, dim, input_dtype):
+    """``_log_softmax_backward_data(nll_loss_backward(...), output, dim)``, the backward of
+    cross-entropy, as one pass over the logits (compile/fusions.py finds the pair in graphs).
+
+    The NLL gradient has one non-zero per row, its coefficient, so the row sum the log-softmax
+    backward needs is that coefficient: no (batch x classes) reduction, and one fused elementwise
+    pass (``g - exp(output) * coef``) instead of a select, a reduction and a second pass. The sum of
+    one non-zero and zeros is exact, so the result is the unfused formula's, element for element.
+    """
+    del dim, input_dtype   # the class dim (the pattern requires it); the result has output's dtype
+    cdim, safe, w = _nll_targets(self, target, weight, ignore_index)
+    coef = -grad_output.astype(self.dtype).reshape(() if reduction else target.shape) * w
+    if reduction == 1:
+        coef = coef / total_weight.astype(self.dtype)
+    acc = compute_dtype(output.dtype)   # as the log-softmax backward: half types in float32
+    coef = jnp.expand_dims(coef, cdim)
+    hit = lax.broadcasted_iota(jnp.int64, self.shape, cdim) == jnp.expand_dims(safe, cdim)
+    g = jnp.where(hit, coef, jnp.zeros((), self.dtype)).astype(acc)
+    return g - jnp.exp(output.astype(acc)) * coef.astype(acc)
+
+
 @lowering("mse_loss.default", promote="result", promote_args=("self", "target"))
 def mse_loss(self, target, reduction=1):
     return reduce_loss(jnp.square(self - target), reduction)

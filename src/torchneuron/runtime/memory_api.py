@@ -28,8 +28,8 @@ import sys
 import time
 
 from ..config import config
+from . import host_memory, pjrt
 from . import memory as _memory
-from . import pjrt
 
 __all__ = [
     "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
@@ -271,11 +271,13 @@ def mem_get_info(device=None) -> tuple[int, int]:
 
 
 def empty_cache() -> None:
-    """Run the garbage collector so that unreachable tensors' storages are freed (no blocks are
-    cached: a storage's buffer goes when the storage dies)."""
+    """Run the garbage collector so that unreachable tensors' storages are freed (a storage's
+    buffer goes when the storage dies), then, on the CPU platform, give the freed heap memory the
+    process kept (``config.cpu_retain_freed_memory``) back to the operating system."""
     import gc  # only here: the one use
     gc.collect()
     _allocator.collect()
+    host_memory.release_freed_memory()
 
 
 # -- history and snapshots ------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import jax
 from jax._src import xla_bridge
 
 from ..config import config, read_start_settings
+from . import host_memory
 
 # Platforms whose PJRT client can be restricted to some devices, and how: a JAX option, or a
 # variable the plugin's runtime reads.
@@ -92,6 +93,7 @@ def prepare():
     the platform. On failure JAX's options are restored, so the program can still use JAX."""
     read_start_settings()
     platform = config.platform
+    host_memory.follow(platform == "cpu" and config.cpu_retain_freed_memory)
     if xla_bridge.backends_are_initialized():
         # The program used JAX first: its backends, devices and allocator are already set.
         if config.gpu_preallocate != "auto" or config.gpu_memory_fraction != "auto":
@@ -135,3 +137,8 @@ def prepare():
         if not ok:
             for name, value in before_options.items():
                 jax.config.update(name, value)
+
+
+# At import, before the threads that would get heaps of their own (see runtime/host_memory.py);
+# ``prepare`` applies the setting again as the device starts.
+host_memory.follow(config.platform == "cpu" and config.cpu_retain_freed_memory)
