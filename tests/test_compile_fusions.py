@@ -10,7 +10,6 @@ import torch.nn.functional as F
 import torchneuron  # noqa: F401 - registers the neuron device
 from torchneuron.compile import fusions, graph
 
-
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
@@ -134,3 +133,45 @@ def test_fused_op_runs_eagerly_as_the_pair(device):
                                          total.to(device), lp.to(device), 1, torch.float32)
     assert got.device.type == device
     torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("how", ["t", "transpose", "permute", "t_used_twice"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mm_of_a_transposed_operand_is_fused_and_equals_cpu(how, dtype, planned):
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(37, 23, generator=g).to(dtype)
+    b = torch.randn(37, 11, generator=g).to(dtype)
+
+    def fn(a, b):
+        at = {"t": lambda: a.t(), "transpose": lambda: a.transpose(0, 1), "permute": lambda: a.permute(1, 0),
+              "t_used_twice": lambda: a.t()}[how]()
+        out = torch.mm(at, b)
+        return (out, at * 2) if how == "t_used_twice" else out
+
+    got = torch.compile(fn, backend="neuron")(a.to("neuron"), b.to("neuron"))
+    want = fn(a, b)
+    for x, y in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert x.dtype == y.dtype and x.shape == y.shape and x.stride() == y.stride()
+        torch.testing.assert_close(x.cpu(), y, **({} if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)))
+    assert "torchneuron::mm_transposed_self" in _fused_ops(planned)
+
+
+def test_linear_weight_gradients_use_the_fused_mm_and_match_cpu(planned):
+    torch.manual_seed(5)
+    cpu = torch.nn.Sequential(torch.nn.Linear(19, 33), torch.nn.GELU(), torch.nn.Linear(33, 7))
+    with torch.device("neuron"):
+        dev = torch.nn.Sequential(torch.nn.Linear(19, 33), torch.nn.GELU(), torch.nn.Linear(33, 7))
+    dev.load_state_dict(cpu.state_dict())
+    x = torch.randn(45, 19)
+    cpu(x).square().mean().backward()
+    torch.compile(dev, backend="neuron")(x.to("neuron")).square().mean().backward()
+    for p, q in zip(dev.parameters(), cpu.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-6)
+    assert _fused_ops(planned).count("torchneuron::mm_transposed_self") == 2   # both weight gradients
+
+
+@pytest.mark.parametrize("device", ["cpu", "neuron"])
+def test_fused_mm_runs_eagerly_as_mm_of_the_transpose(device):
+    a, b = torch.randn(6, 4), torch.randn(6, 5)
+    got = fusions.MM_TRANSPOSED_SELF(a.to(device), b.to(device))
+    torch.testing.assert_close(got.cpu(), a.t() @ b)

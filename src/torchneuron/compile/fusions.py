@@ -10,13 +10,17 @@ rewritten: the planner skips the producer and gives the consumer's step the fuse
   ``nll_loss_backward``. The NLL gradient is a (batch x classes) one-hot whose row sums the
   log-softmax backward re-reduces; fused it is one elementwise pass over the logits (a language
   model's LM-head gradient: 8M elements for 1,024 tokens of an 8,192 vocabulary).
+* ``mm_transposed_self``: ``mm(t(a), b)``, every Linear's weight gradient, computed in the
+  orientation XLA:CPU runs fast (``ops/linalg.py``). The ``t`` stays when it has other users.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..ops.linalg import mm_transposed_self
 from ..ops.losses import log_softmax_nll_backward
+from ..ops.precision import MATMUL
 from ..ops.registry import Lowering
 from ..ops.signature import OpSignature, signature_for
 
@@ -37,10 +41,18 @@ def _cross_entropy_backward(grad_output, self, target, weight, reduction, ignore
 
 
 _LIB.impl("log_softmax_nll_backward", _cross_entropy_backward, "CompositeExplicitAutograd")
+_LIB.define("mm_transposed_self(Tensor self, Tensor mat2) -> Tensor")
+_LIB.impl("mm_transposed_self", lambda self, mat2: torch.mm(self.t(), mat2), "CompositeExplicitAutograd")
 
 CROSS_ENTROPY_BACKWARD = torch.ops.torchneuron.log_softmax_nll_backward.default
 _CROSS_ENTROPY_SIGNATURE = OpSignature(CROSS_ENTROPY_BACKWARD, Lowering(
     name="log_softmax_nll_backward", fn=log_softmax_nll_backward, derive_variants=False, graph_only=True))
+MM_TRANSPOSED_SELF = torch.ops.torchneuron.mm_transposed_self.default
+_MM_SIGNATURE = OpSignature(MM_TRANSPOSED_SELF, Lowering(
+    name="mm_transposed_self", fn=mm_transposed_self, derive_variants=False, graph_only=True, precision=MATMUL,
+    promote="common", promote_args=("self", "mat2")))
+_MM = torch.ops.aten.mm.default
+_TRANSPOSES = (torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default)
 
 
 class Fusions:
@@ -51,11 +63,19 @@ class Fusions:
         self.steps: dict = {}
         self.skipped: set = set()
         for node in graph.nodes:
-            if node.op == "call_function" and node.target is _LOG_SOFTMAX_BACKWARD:
+            if node.op != "call_function":
+                continue
+            if node.target is _LOG_SOFTMAX_BACKWARD:
                 args = _cross_entropy_arguments(node, platform)
                 if args is not None:
                     self.steps[node] = (_CROSS_ENTROPY_SIGNATURE, args)
                     self.skipped.add(node.args[0])
+            elif node.target is _MM:
+                source = _transposed_source(node.args[0])
+                if source is not None:
+                    self.steps[node] = (_MM_SIGNATURE, (source, node.args[1]))
+                    if len(node.args[0].users) == 1:
+                        self.skipped.add(node.args[0])
 
     def describe(self) -> str:
         """What enters the graph's hash: which nodes were fused into what."""
@@ -83,3 +103,19 @@ def _cross_entropy_arguments(node, platform):
     if ndim == 0 or dim % ndim != class_dim or val.shape != out_val.shape:
         return None
     return (*nll_values, output, dim, input_dtype)
+
+
+def _transposed_source(node):
+    """``a`` when ``node`` is ``a`` transposed (a 2-D ``t``, ``transpose(0, 1)``, ``permute([1, 0])``)."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _TRANSPOSES
+            and not node.kwargs):
+        return None
+    source = node.args[0]
+    val = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.ndim != 2:
+        return None
+    if node.target is torch.ops.aten.transpose.int and sorted(d % 2 for d in node.args[1:3]) != [0, 1]:
+        return None
+    if node.target is torch.ops.aten.permute.default and [d % 2 for d in node.args[1]] != [1, 0]:
+        return None
+    return source

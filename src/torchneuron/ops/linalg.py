@@ -27,6 +27,20 @@ def mm(self, mat2):
     return _mm(self, mat2)
 
 
+def mm_transposed_self(self, mat2):
+    """``self.t() @ mat2`` for a row-major ``self`` of shape (k, m): a weight gradient
+    (``grad_output.t() @ input``), the one ``mm`` of a training graph XLA:CPU runs slowly as it is
+    (a dot contracting both operands' leading dim: 33 ms for the LM head of bench/compile.py where
+    PyTorch takes 24). Computed transposed, ``(mat2.t() @ self).t()`` with both transposes
+    materialised (the barriers keep XLA from folding them back into the dot): 23 ms
+    (docs/performance.md). compile/fusions.py plans it for ``mm(t(a), b)``."""
+    dtype = jnp.result_type(self, mat2)
+    a, b = self.astype(dtype), mat2.astype(dtype)
+    product_t = lax.dot_general(lax.optimization_barrier(b.T), a, (((1,), (0,)), ((), ())),
+                                precision=matmul_precision())
+    return lax.optimization_barrier(product_t).T
+
+
 @lowering("bmm.default", precision=MATMUL, promote="common", promote_args=("self", "mat2"))
 def bmm(self, mat2):
     return _mm(self, mat2)
