@@ -167,7 +167,17 @@ def test_linear_weight_gradients_use_the_fused_mm_and_match_cpu(planned):
     torch.compile(dev, backend="neuron")(x.to("neuron")).square().mean().backward()
     for p, q in zip(dev.parameters(), cpu.parameters()):
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-6)
-    assert _fused_ops(planned).count("torchneuron::mm_transposed_self") == 2   # both weight gradients
+    # grad_h.t() @ x (33 x 19: a wider than b) is fused; grad_out.t() @ h (7 x 33) runs as traced
+    assert _fused_ops(planned).count("torchneuron::mm_transposed_self") == 1
+
+
+@pytest.mark.parametrize("m, n", [(11, 23), (16, 16)])
+def test_mm_of_a_transposed_operand_narrower_than_the_other_is_not_fused(m, n, planned):
+    g = torch.Generator().manual_seed(6)
+    a, b = torch.randn(37, m, generator=g), torch.randn(37, n, generator=g)
+    got = torch.compile(lambda a, b: torch.mm(a.t(), b), backend="neuron")(a.to("neuron"), b.to("neuron"))
+    torch.testing.assert_close(got.cpu(), a.t() @ b)
+    assert "torchneuron::mm_transposed_self" not in _fused_ops(planned)
 
 
 @pytest.mark.parametrize("device", ["cpu", "neuron"])

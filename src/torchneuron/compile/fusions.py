@@ -10,8 +10,11 @@ rewritten: the planner skips the producer and gives the consumer's step the fuse
   ``nll_loss_backward``. The NLL gradient is a (batch x classes) one-hot whose row sums the
   log-softmax backward re-reduces; fused it is one elementwise pass over the logits (a language
   model's LM-head gradient: 8M elements for 1,024 tokens of an 8,192 vocabulary).
-* ``mm_transposed_self``: ``mm(t(a), b)``, every Linear's weight gradient, computed in the
-  orientation XLA:CPU runs fast (``ops/linalg.py``). The ``t`` stays when it has other users.
+* ``mm_transposed_self``: ``mm(t(a), b)``, a Linear's weight gradient, computed in the
+  orientation XLA:CPU runs fast (``ops/linalg.py``) when ``a`` (k x m) is wider than ``b`` (k x n).
+  It materialises ``b.t()`` and the (m x n) result's transpose; with m <= n those cost more than
+  they save (an MLP's down projection: a 1024 x 1024 saved activation transposed in 5 ms of a
+  3 ms dot). The ``t`` stays when it has other users.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ class Fusions:
                     self.skipped.add(node.args[0])
             elif node.target is _MM:
                 source = _transposed_source(node.args[0])
-                if source is not None:
+                if source is not None and _wider_than(source, node.args[1]):
                     self.steps[node] = (_MM_SIGNATURE, (source, node.args[1]))
                     if len(node.args[0].users) == 1:
                         self.skipped.add(node.args[0])
@@ -103,6 +106,17 @@ def _cross_entropy_arguments(node, platform):
     if ndim == 0 or dim % ndim != class_dim or val.shape != out_val.shape:
         return None
     return (*nll_values, output, dim, input_dtype)
+
+
+def _wider_than(a, b) -> bool:
+    """Whether 2-D ``a`` (k x m) has more columns than 2-D ``b`` (k x n): the weight gradients
+    ``mm_transposed_self`` speeds up (bench/weight_grad_dots.py)."""
+    a_val = a.meta.get("val")
+    b_val = b.meta.get("val") if isinstance(b, torch.fx.Node) else None
+    if not (isinstance(b_val, torch.Tensor) and b_val.ndim == 2):
+        return False
+    m, n = a_val.shape[1], b_val.shape[1]
+    return isinstance(m, int) and isinstance(n, int) and m > n
 
 
 def _transposed_source(node):
